@@ -1,0 +1,163 @@
+"""distributed.py: the equivalences that make DDP trustworthy, launch modes, errors."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from PIL import Image
+
+from conftest import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
+                      run_parallel, torchrun, weights)
+
+
+def test_two_processes_equal_one_with_twice_the_batch(reference):
+    """2 x batch 16 == 1 x batch 32: weights, logged training loss and validation."""
+    assert max_weight_difference(reference["one"], reference["two"]) <= 1e-5
+    one, two = metrics(reference["one"]), metrics(reference["two"])
+    assert [m["epoch"] for m in one] == [m["epoch"] for m in two] == [1, 2, 3]
+    assert [m["world_size"] for m in two] == [2, 2, 2]
+    for a, b in zip(one, two):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+        assert b["train_acc"] == pytest.approx(a["train_acc"], abs=1e-9)
+        # 207 images over 2 ranks: 104 + 103, none padded, none dropped
+        assert a["val_images"] == b["val_images"] == 207
+        assert b["val_acc"] == a["val_acc"]
+        assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+
+
+def test_fake_data_is_learnable(reference):
+    final = metrics(reference["two"])[-1]
+    assert final["val_acc"] > 0.6, final  # chance is 0.1
+    assert final["train_loss"] < metrics(reference["two"])[0]["train_loss"]
+
+
+def test_augmented_runs_also_match_across_world_sizes(tmp_path):
+    """Each image's random crop depends on (seed, epoch, index) only, not on the rank."""
+    args = [*TINY, "--epochs", "1"]
+    run(python("distributed.py", *args, "--output-dir", tmp_path / "one"))
+    run(torchrun(2, "distributed.py", *args, "--output-dir", tmp_path / "two"))
+    assert max_weight_difference(tmp_path / "one", tmp_path / "two") <= 1e-5
+
+
+def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
+    out = tmp_path / "run"
+    first = run(python("distributed.py", *TINY, "--no-augment", "--stop-after", "2",
+                       "--output-dir", out))
+    assert "continuing" not in first.stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
+    second = run(python("distributed.py", *TINY, "--no-augment", "--output-dir", out))
+    assert "continuing from" in second.stdout and "2 of 3 epochs done" in second.stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert max_weight_difference(out, reference["one"]) <= 1e-6
+    assert metrics(out)[-1]["val_loss"] == pytest.approx(metrics(reference["one"])[-1]["val_loss"],
+                                                         abs=1e-6)
+
+
+def launch_commands(mode: str, out, tmp_path) -> list[tuple[list, dict]]:
+    """The same 2-process job started in each documented way."""
+    args = [*TINY, "--no-augment", "--output-dir", out]
+    port = free_port()
+    if mode == "torch.distributed.launch":
+        return [([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2",
+                  f"--master_port={port}", "distributed.py", *args], {})]
+    if mode == "ip-port":  # two hand-started processes, as on two machines
+        return [(python("distributed.py", *args, "--ip", "127.0.0.1", "--port", port),
+                 {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}) for r in range(2)]
+    if mode == "file-url":
+        return [(torchrun(2, "distributed.py", *args, "--dist-url",
+                          f"file://{tmp_path / 'rendezvous'}"), {})]
+    if mode == "slurm":  # srun sets these; no torchrun
+        return [(python("distributed.py", *args),
+                 {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                  "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}) for r in range(2)]
+    raise ValueError(mode)
+
+
+@pytest.mark.parametrize("mode", ["torch.distributed.launch", "ip-port", "file-url", "slurm"])
+def test_every_launch_mode_trains_the_same_model(mode, tmp_path, reference):
+    out = tmp_path / "out"
+    run_parallel(launch_commands(mode, out, tmp_path))
+    assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
+    assert max_weight_difference(out, reference["two"]) <= 1e-6
+
+
+def test_image_folder_counts_every_validation_image(tmp_path):
+    data = tmp_path / "data"
+    for split, per_class in (("train", 12), ("val", 5)):
+        for c, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+            folder = data / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (20 + i, 24), colour).save(folder / f"{i}.png")
+    out = tmp_path / "out"
+    run(torchrun(2, "distributed.py", "--dataset", "imagefolder", "--data-dir", data,
+                 "--arch", "tiny", "--image-size", "16", "--batch-size", "8", "--epochs", "1",
+                 "--workers", "1", "--output-dir", out))
+    assert metrics(out)[0]["val_images"] == 15  # 3 classes x 5: an odd count over 2 ranks
+    assert weights(out)["8.weight"].shape == (3, 64)  # the head has one output per class folder
+
+
+def occupied_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def corrupt_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    return ["--output-dir", out]
+
+
+def other_arch_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    run(python("distributed.py", *TINY, "--epochs", "1", "--fake-size", "64", "--output-dir", out))
+    return ["--output-dir", out, "--arch", "resnet18"]
+
+
+BAD_INPUTS = {
+    "unknown dataset": (lambda t: ["--dataset", "imagenet"], "invalid choice"),
+    "unknown arch": (lambda t: ["--arch", "resnet19"], "unknown --arch 'resnet19'"),
+    "missing image folder": (lambda t: ["--dataset", "imagefolder", "--data-dir", t / "none"],
+                             "not found"),
+    "missing cifar, no download": (lambda t: ["--dataset", "cifar10", "--data-dir", t,
+                                              "--no-download"], "cifar10 not found"),
+    "corrupt checkpoint": (corrupt_checkpoint, "is not a readable checkpoint"),
+    "checkpoint of another arch": (other_arch_checkpoint, "holds a tiny model"),
+    "sync-bn on cpu": (lambda t: ["--sync-bn"], "--sync-bn needs GPUs"),
+    "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_ends_with_one_clear_line(case, tmp_path):
+    make_args, expected = BAD_INPUTS[case]
+    env = {"RANK": "1", "WORLD_SIZE": "2"} if case == "unreachable rendezvous" else {}
+    args = [*TINY, "--output-dir", tmp_path / "default-out", *make_args(tmp_path)]
+    result = run(python("distributed.py", *args), timeout=60, env=env, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "frame #" not in result.stderr  # no C++ stack dump
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert expected in last_line, result.stderr
+
+
+def test_port_in_use_names_the_port(tmp_path):
+    with occupied_port() as s:
+        port = s.getsockname()[1]
+        result = run(python("distributed.py", *TINY, "--port", port, "--output-dir", tmp_path),
+                     timeout=60, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port")
+
+
+def test_indivisible_batch_fails_on_every_rank(tmp_path):
+    result = run(torchrun(2, "distributed.py", *TINY, "--batch-size", "33",
+                          "--output-dir", tmp_path), timeout=60, check=False)
+    assert result.returncode != 0
+    line = "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
+    assert result.stderr.count(line) == 2  # one line from each rank, no hang
+    assert "distributed.py\", line" not in result.stderr  # no Python traceback from the script
