@@ -96,7 +96,7 @@ def main():
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
     utils.setup_logging(rank)
-    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, "processes")
+    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
              f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
 

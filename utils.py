@@ -107,23 +107,31 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
+def failure_message(error: BaseException) -> str | None:
+    """The one line to print for an error a user can cause; None for a bug (keep its traceback)."""
+    if isinstance(error, UsageError):
+        return f"error: {error}"
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "error: out of GPU memory: lower --batch-size"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    # gloo reports a dead peer or a timeout as a plain RuntimeError
+    if isinstance(error, (dist.DistError, ConnectionError, TimeoutError)) or (
+            isinstance(error, RuntimeError)
+            and re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(error))):
+        return f"error: distributed communication failed: {first_line(error)}"
+    return None
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Run main(); turn user errors into one line and a non-zero exit; always tear down."""
     try:
         main()
-    except UsageError as e:
-        sys.exit(f"error: {e}")
-    except torch.cuda.OutOfMemoryError:
-        sys.exit("error: out of GPU memory: lower --batch-size")
-    except (dist.DistError, ConnectionError, TimeoutError) as e:
-        sys.exit(f"error: distributed communication failed: {first_line(e)}")
-    except RuntimeError as e:
-        # gloo reports a dead peer or a timeout as a plain RuntimeError
-        if not re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e)):
+    except (Exception, KeyboardInterrupt) as e:
+        message = failure_message(e)
+        if message is None:
             raise
-        sys.exit(f"error: distributed communication failed: {first_line(e)}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted")
+        sys.exit(message)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -170,9 +178,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_batch_size(batch_size: int, parts: int, what: str) -> int:
-    """The per-part batch of a global batch; a clear error if it does not split evenly."""
+    """The batch of each of parts (described by what); a clear error if it does not split evenly."""
     if batch_size % parts or batch_size < parts:
-        raise UsageError(f"--batch-size {batch_size} does not split evenly over {parts} {what}: "
+        raise UsageError(f"--batch-size {batch_size} does not split evenly over {what}: "
                          f"use a multiple of {parts}")
     return batch_size // parts
 

@@ -1,0 +1,121 @@
+"""DataParallel (DP): one process drives all visible GPUs. The baseline.
+
+    python dataparallel.py --dataset cifar100 --gpu 0,1,2,3
+
+Every step, DataParallel splits the batch over the GPUs, copies the model to
+each of them, runs the replicas in threads and gathers outputs and gradients
+on the first GPU. Simple, but slower than DDP: prefer distributed.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from utils import UsageError, log
+
+
+def parse_args():
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--gpu", default=None,
+                        help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)")
+    args = parser.parse_args()
+    utils.check_args(args)
+    return args
+
+
+def select_devices(args) -> list[int]:
+    """The GPU ids DataParallel spreads each batch over; [] means CPU."""
+    if not torch.cuda.is_available():
+        if args.gpu:
+            raise UsageError(f"--gpu {args.gpu} given but no GPU is visible")
+        log.info("no GPU visible: training on the CPU in one process")
+        return []
+    count = torch.cuda.device_count()
+    ids = args.gpu.split(",") if args.gpu else list(range(count))
+    if not all(str(i).strip().isdigit() and int(i) < count for i in ids):
+        raise UsageError(f"--gpu {args.gpu}: give ids of visible GPUs, 0..{count - 1}")
+    return [int(i) for i in ids]
+
+
+def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
+    model.train()
+    meter, timer = utils.Meter(device), utils.Timer()
+    for step, (images, targets) in enumerate(timer.timed(loader), 1):
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        logits = model(images)
+        loss = F.cross_entropy(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # replicas' gradients are summed onto the first GPU
+        optimizer.step()
+        meter.update(loss, logits, targets)
+        if step % args.print_freq == 0:
+            utils.log_progress(meter, timer, epoch, args.epochs, step, len(loader),
+                               optimizer.param_groups[0]["lr"])
+    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
+    seconds = timer.elapsed()
+    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
+                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait)
+
+
+def main():
+    args = parse_args()
+    rank, world_size = 0, 1  # one process
+    utils.setup_logging(rank)
+    gpus = select_devices(args)
+    device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+    batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
+    log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
+             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    train_set, val_set, num_classes = utils.build_datasets(args, local_rank=0)
+    train_loader, val_loader = utils.build_loaders(
+        train_set, val_set, args.batch_size, args, rank, world_size, device.type == "cuda")
+    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:
+        raise UsageError("--sync-bn works with DDP only: use distributed.py")
+    if gpus:
+        model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+
+    output_dir = Path(args.output_dir)
+    checkpoint_path = output_dir / "checkpoint.pt"
+    metrics_path = output_dir / "metrics.jsonl"
+    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    start_epoch = 0
+    if state:
+        utils.restore(state, model, checkpoint_path, args.arch,
+                      optimizer=optimizer, scheduler=scheduler)
+        start_epoch = state["epoch"]
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        utils.start_metrics(metrics_path, start_epoch)
+
+    last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
+    for epoch in range(start_epoch, last_epoch):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device)
+        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
+                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
+                      world_size=world_size)
+        scheduler.step()
+        if rank == 0:
+            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
+            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
+                                   "optimizer": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict(),
+                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
+                                  checkpoint_path)
+            utils.log_epoch(record, args.epochs)
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

@@ -1,0 +1,176 @@
+"""DDP with native mixed precision: torch.autocast and torch.amp.GradScaler.
+
+    torchrun --standalone --nproc_per_node=4 distributed_amp.py --amp-dtype float16
+    torchrun --standalone --nproc_per_node=4 distributed_amp.py --amp-dtype bfloat16
+
+autocast runs matrix multiplications and convolutions in 16-bit floats (Tensor
+Cores) and keeps reductions such as the loss in float32; the weights and the
+optimizer stay float32. float16 has a narrow range, so GradScaler multiplies
+the loss before backward() to keep small gradients from flushing to zero, and
+skips any step whose gradients overflowed. bfloat16 has float32's range and
+needs no scaler.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from utils import UsageError, log
+
+
+def parse_args():
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=0,
+                        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise")
+    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16"], default=None,
+                        help="autocast precision (default: float16 on CUDA, bfloat16 on CPU)")
+    parser.add_argument("--clip-grad", type=float, default=None,
+                        help="clip the gradient norm to this value (after unscaling)")
+    parser.add_argument("--init-scale", type=float, default=2.0**16,
+                        help="GradScaler's first loss scale (float16 only)")
+    args = parser.parse_args()
+    utils.check_args(args)
+    return args
+
+
+def setup_distributed(args) -> tuple[int, int, int, torch.device]:
+    """Join the process group: (rank, local rank, world size, device)."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+                   LOCAL_RANK=env["SLURM_LOCALID"])
+        env.setdefault("MASTER_ADDR", utils.slurm_master_addr(
+            env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(args.port or 29500))
+    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if args.dist_url:
+        init_method = args.dist_url
+    elif args.ip or args.port:
+        init_method = f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
+    elif "MASTER_ADDR" in env:
+        init_method = "env://"  # torchrun, torch.distributed.launch, Slurm
+    else:
+        init_method = None  # plain `python distributed.py`: a world of one
+    timeout = timedelta(seconds=args.timeout)
+    try:
+        if init_method is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+    return rank, local_rank, world_size, device
+
+
+def train_one_epoch(model, loader, optimizer, scaler, amp_dtype, epoch: int, args, device) -> dict:
+    model.train()
+    meter, timer = utils.Meter(device), utils.Timer()
+    skipped = torch.zeros((), device=device)
+    for step, (images, targets) in enumerate(timer.timed(loader), 1):
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype):  # forward and loss only, not backward
+            logits = model(images)
+            loss = F.cross_entropy(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients here
+        if args.clip_grad:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        scale = scaler._scale.clone() if scaler.is_enabled() else None
+        scaler.step(optimizer)  # skipped when a gradient is inf or NaN
+        scaler.update()  # halves the scale after a skip, grows it after many good steps
+        if scale is not None:
+            skipped += scaler._scale < scale  # counted on the device: no host sync per step
+        meter.update(loss, logits, targets)
+        if step % args.print_freq == 0:
+            utils.log_progress(meter, timer, epoch, args.epochs, step, len(loader),
+                               optimizer.param_groups[0]["lr"])
+    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
+    seconds = timer.elapsed()
+    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
+                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait,
+                skipped_steps=int(skipped), loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
+
+
+def main():
+    args = parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args)
+    utils.setup_logging(rank)
+    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
+    train_loader, val_loader = utils.build_loaders(
+        train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
+    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:
+        if device.type != "cuda":
+            raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+    amp_dtype = getattr(torch, args.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16"))
+    scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale,
+                                  enabled=amp_dtype == torch.float16)
+    log.info(f"autocast {amp_dtype}, gradient scaling {'on' if scaler.is_enabled() else 'off'}")
+
+    output_dir = Path(args.output_dir)
+    checkpoint_path = output_dir / "checkpoint.pt"
+    metrics_path = output_dir / "metrics.jsonl"
+    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    start_epoch = 0
+    if state:
+        utils.restore(state, model, checkpoint_path, args.arch,
+                      optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        start_epoch = state["epoch"]
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        utils.start_metrics(metrics_path, start_epoch)
+
+    last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
+    for epoch in range(start_epoch, last_epoch):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        record = train_one_epoch(model, train_loader, optimizer, scaler, amp_dtype, epoch, args, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device, amp_dtype)
+        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
+                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
+                      world_size=world_size)
+        scheduler.step()
+        if rank == 0:
+            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
+            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
+                                   "optimizer": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict(),
+                                   "scaler": scaler.state_dict(),
+                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
+                                  checkpoint_path)
+            utils.log_epoch(record, args.epochs)
+    dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

@@ -1,0 +1,168 @@
+"""DDP with gradient accumulation: a large batch in K smaller micro-batches.
+
+    torchrun --standalone --nproc_per_node=2 distributed_grad_accum.py --batch-size 1024 --accum-steps 4
+
+--batch-size is still the batch of one optimizer step: each process runs K
+micro-batches of batch / (processes * K) and adds up their gradients. DDP
+would all-reduce after every backward(); inside model.no_sync() it does not,
+so gradients cross the network once per optimizer step, after the last
+micro-batch.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from datetime import timedelta
+from itertools import islice
+from pathlib import Path
+
+import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from utils import UsageError, log
+
+
+def parse_args():
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=0,
+                        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise")
+    parser.add_argument("--accum-steps", type=int, default=1,
+                        help="micro-batches per optimizer step (K)")
+    args = parser.parse_args()
+    utils.check_args(args)
+    if args.accum_steps < 1:
+        parser.error("--accum-steps must be at least 1")
+    return args
+
+
+def setup_distributed(args) -> tuple[int, int, int, torch.device]:
+    """Join the process group: (rank, local rank, world size, device)."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+                   LOCAL_RANK=env["SLURM_LOCALID"])
+        env.setdefault("MASTER_ADDR", utils.slurm_master_addr(
+            env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(args.port or 29500))
+    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if args.dist_url:
+        init_method = args.dist_url
+    elif args.ip or args.port:
+        init_method = f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
+    elif "MASTER_ADDR" in env:
+        init_method = "env://"  # torchrun, torch.distributed.launch, Slurm
+    else:
+        init_method = None  # plain `python distributed.py`: a world of one
+    timeout = timedelta(seconds=args.timeout)
+    try:
+        if init_method is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+    return rank, local_rank, world_size, device
+
+
+def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
+    model.train()
+    meter, timer = utils.Meter(device), utils.Timer()
+    k = args.accum_steps
+    steps = len(loader) // k  # leftover micro-batches would make a smaller step: skip them
+    for micro_step, (images, targets) in enumerate(islice(timer.timed(loader), steps * k), 1):
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        last = micro_step % k == 0
+        # no_sync covers forward too: DDP prepares its all-reduce during forward
+        with nullcontext() if last else model.no_sync():
+            logits = model(images)
+            loss = F.cross_entropy(logits, targets)
+            (loss / k).backward()  # the K micro-batch means add up to the full batch's mean
+        meter.update(loss, logits, targets)
+        if not last:
+            continue
+        optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
+        optimizer.zero_grad(set_to_none=True)
+        step = micro_step // k
+        if step % args.print_freq == 0:
+            utils.log_progress(meter, timer, epoch, args.epochs, step, steps,
+                               optimizer.param_groups[0]["lr"])
+    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
+    seconds = timer.elapsed()
+    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
+                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait)
+
+
+def main():
+    args = parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args)
+    utils.setup_logging(rank)
+    batch_per_rank = utils.check_batch_size(args.batch_size, world_size * args.accum_steps,
+                                            f"{world_size} processes x {args.accum_steps} micro-batches")
+    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
+             f"batch {args.batch_size} = {world_size} x {args.accum_steps} x {batch_per_rank}")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
+    train_loader, val_loader = utils.build_loaders(
+        train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
+    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:
+        if device.type != "cuda":
+            raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+
+    output_dir = Path(args.output_dir)
+    checkpoint_path = output_dir / "checkpoint.pt"
+    metrics_path = output_dir / "metrics.jsonl"
+    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    start_epoch = 0
+    if state:
+        utils.restore(state, model, checkpoint_path, args.arch,
+                      optimizer=optimizer, scheduler=scheduler)
+        start_epoch = state["epoch"]
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        utils.start_metrics(metrics_path, start_epoch)
+
+    last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
+    for epoch in range(start_epoch, last_epoch):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device)
+        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
+                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
+                      world_size=world_size)
+        scheduler.step()
+        if rank == 0:
+            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
+            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
+                                   "optimizer": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict(),
+                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
+                                  checkpoint_path)
+            utils.log_epoch(record, args.epochs)
+    dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

@@ -1,0 +1,168 @@
+"""DDP started by torch.multiprocessing.spawn: no launcher needed.
+
+    python distributed_mp.py --dataset cifar100                    # one process per GPU
+    python distributed_mp.py --nproc 2 --dataset fake              # two CPU processes
+    python distributed_mp.py --nodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500   # on node 0
+    python distributed_mp.py --nodes 2 --node-rank 1 --ip 10.0.0.1 --port 29500   # on node 1
+
+This script starts its own processes, one per GPU, and each joins the group
+at tcp://IP:PORT.
+
+Each process trains a full copy of the model on its shard of every batch;
+DDP averages the gradients over all processes during backward(), so every
+copy takes the same optimizer step.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from utils import UsageError, first_line, log
+
+
+def parse_args():
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes on this node (default: one per GPU, or 1 without GPUs)")
+    parser.add_argument("--nodes", type=int, default=1, help="number of machines")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
+    args = parser.parse_args()
+    utils.check_args(args)
+    args.nproc = args.nproc or torch.cuda.device_count() or 1
+    if args.nodes > 1 and (args.ip is None or args.port is None) and args.dist_url is None:
+        parser.error("--nodes > 1 needs --ip and --port of node 0, the same on every node")
+    if not 0 <= args.node_rank < args.nodes:
+        parser.error(f"--node-rank must be in 0..{args.nodes - 1}")
+    if args.nproc > torch.cuda.device_count() > 0:
+        parser.error(f"--nproc {args.nproc} but only {torch.cuda.device_count()} GPUs")
+    return args
+
+
+def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.device]:
+    """Join the process group: (rank, local rank, world size, device)."""
+    rank = args.node_rank * args.nproc + local_rank
+    world_size = args.nodes * args.nproc
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        utils.set_cpu_threads(args.nproc)
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    init_method = args.dist_url or f"tcp://{args.ip or '127.0.0.1'}:{args.port}"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        raise UsageError(utils.describe_init_error(e, init_method)) from None
+    return rank, local_rank, world_size, device
+
+
+def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
+    model.train()
+    meter, timer = utils.Meter(device), utils.Timer()
+    for step, (images, targets) in enumerate(timer.timed(loader), 1):
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        logits = model(images)
+        loss = F.cross_entropy(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
+        optimizer.step()
+        meter.update(loss, logits, targets)
+        if step % args.print_freq == 0:
+            utils.log_progress(meter, timer, epoch, args.epochs, step, len(loader),
+                               optimizer.param_groups[0]["lr"])
+    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
+    seconds = timer.elapsed()
+    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
+                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait)
+
+
+def worker(local_rank: int, args, errors) -> None:
+    """One spawned process; its one-line error goes to the parent, which prints it."""
+    try:
+        utils.run_main(lambda: train(local_rank, args))
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            errors.put(str(e.code))
+            sys.exit(1)
+
+
+def train(local_rank: int, args) -> None:
+    rank, local_rank, world_size, device = setup_distributed(local_rank, args)
+    utils.setup_logging(rank)
+    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
+    train_loader, val_loader = utils.build_loaders(
+        train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
+    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:
+        if device.type != "cuda":
+            raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+
+    output_dir = Path(args.output_dir)
+    checkpoint_path = output_dir / "checkpoint.pt"
+    metrics_path = output_dir / "metrics.jsonl"
+    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    start_epoch = 0
+    if state:
+        utils.restore(state, model, checkpoint_path, args.arch,
+                      optimizer=optimizer, scheduler=scheduler)
+        start_epoch = state["epoch"]
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        utils.start_metrics(metrics_path, start_epoch)
+
+    last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
+    for epoch in range(start_epoch, last_epoch):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device)
+        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
+                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
+                      world_size=world_size)
+        scheduler.step()
+        if rank == 0:
+            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
+            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
+                                   "optimizer": optimizer.state_dict(),
+                                   "scheduler": scheduler.state_dict(),
+                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
+                                  checkpoint_path)
+            utils.log_epoch(record, args.epochs)
+    dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
+
+
+def main():
+    args = parse_args()
+    if args.port is None and args.dist_url is None:
+        args.port = utils.free_port()  # one node: any free port will do
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        # join=True: if one process fails, spawn ends the others and raises here
+        mp.spawn(worker, args=(args, errors), nprocs=args.nproc, join=True)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        sys.exit(errors.get() if not errors.empty() else f"error: {first_line(e)}")
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

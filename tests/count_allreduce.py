@@ -1,0 +1,42 @@
+"""Run one epoch of distributed_grad_accum.train_one_epoch with a DDP communication
+hook that counts gradient all-reduces; rank 0 prints the counts as JSON.
+
+    torchrun --nproc_per_node=2 tests/count_allreduce.py --accum-steps 4 ...
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distributed_grad_accum as script  # noqa: E402
+import torch  # noqa: E402
+import utils  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+
+def main():
+    args = script.parse_args()
+    rank, local_rank, world_size, device = script.setup_distributed(args)
+    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
+    micro_batch = args.batch_size // (world_size * args.accum_steps)
+    loader, _ = utils.build_loaders(train_set, val_set, micro_batch, args, rank, world_size, False)
+    model = DDP(utils.build_model(args.arch, num_classes, args.image_size))
+    all_reduces, optimizer_steps = [], []
+
+    def counting_hook(state, bucket):
+        if bucket.is_last():  # one all-reduce round covers every bucket once
+            all_reduces.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
+    script.train_one_epoch(model, loader, optimizer, 0, args, device)
+    if rank == 0:
+        print(json.dumps({"micro_batches": len(loader), "all_reduces": len(all_reduces),
+                          "optimizer_steps": len(optimizer_steps)}))
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

@@ -1,0 +1,57 @@
+"""dataparallel.py and distributed_mp.py train the same model as distributed.py."""
+from __future__ import annotations
+
+import socket
+
+from conftest import TINY, free_port, max_weight_difference, metrics, python, run, run_parallel
+
+
+def test_dataparallel_equals_single_process_ddp(tmp_path, reference):
+    out = tmp_path / "dp"
+    result = run(python("dataparallel.py", *TINY, "--no-augment", "--output-dir", out))
+    if "no GPU visible" in result.stdout:  # CPU here and in CI; on a GPU machine DP really splits
+        assert "training on the CPU" in result.stdout
+    assert max_weight_difference(out, reference["one"]) <= 1e-5
+    assert [m["world_size"] for m in metrics(out)] == [1, 1, 1]
+    assert metrics(out)[-1]["val_acc"] > 0.6
+
+
+def test_spawn_equals_torchrun(tmp_path, reference):
+    out = tmp_path / "mp"
+    run(python("distributed_mp.py", *TINY, "--no-augment", "--nproc", "2", "--output-dir", out))
+    assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
+    assert max_weight_difference(out, reference["two"]) <= 1e-5
+
+
+def test_spawn_on_two_nodes_forms_one_world(tmp_path, reference):
+    out, port = tmp_path / "mp", free_port()
+    node = [*TINY, "--no-augment", "--nodes", "2", "--nproc", "1", "--ip", "127.0.0.1",
+            "--port", port, "--output-dir", out]
+    run_parallel([(python("distributed_mp.py", *node, "--node-rank", str(i)), {}) for i in (0, 1)])
+    assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
+    assert max_weight_difference(out, reference["two"]) <= 1e-5
+
+
+def last_error_line(args: list) -> str:
+    result = run(python("distributed_mp.py", *TINY, *args), timeout=60, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_spawn_reports_a_child_error_in_one_line(tmp_path):
+    assert last_error_line(["--nproc", "2", "--batch-size", "33", "--output-dir", tmp_path]) == (
+        "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2")
+
+
+def test_spawn_names_a_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = last_error_line(["--nproc", "2", "--port", port, "--output-dir", tmp_path])
+    assert line == f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port"
+
+
+def test_spawn_multi_node_needs_an_address(tmp_path):
+    assert "--nodes > 1 needs --ip and --port" in last_error_line(["--nodes", "2", "--output-dir", tmp_path])
