@@ -53,6 +53,9 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"local rank {local_rank}, but this node has "
+                             f"{torch.cuda.device_count()} GPUs: start one process per GPU")
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
@@ -69,12 +72,9 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         init_method = None  # plain `python distributed.py`: a world of one
     timeout = timedelta(seconds=args.timeout)
     try:
-        if init_method is None:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=world_size, timeout=timeout)
+        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device

@@ -58,9 +58,11 @@ def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.devic
         utils.set_cpu_threads(args.nproc)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     init_method = args.dist_url or f"tcp://{args.ip or '127.0.0.1'}:{args.port}"
+    timeout = timedelta(seconds=args.timeout)
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=args.timeout))
+        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method)) from None
     return rank, local_rank, world_size, device

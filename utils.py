@@ -8,6 +8,7 @@ between them: how processes start and how a training step runs.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -16,9 +17,12 @@ import re
 import socket
 import sys
 import time
+import uuid
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -183,6 +187,69 @@ def check_batch_size(batch_size: int, parts: int, what: str) -> int:
         raise UsageError(f"--batch-size {batch_size} does not split evenly over {what}: "
                          f"use a multiple of {parts}")
     return batch_size // parts
+
+
+def rendezvous_store(init_method: str | None, rank: int, world_size: int,
+                     timeout: timedelta) -> dist.Store:
+    """The key-value store where the processes meet, for init_process_group(store=...)."""
+    if init_method is None:
+        return dist.HashStore()  # a world of one needs no network
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        return dist.FileStore(url.path, world_size)
+    if url.scheme == "env":
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts the store
+            host, port = address.rsplit(":", 1)
+            agent_store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+            return fresh_namespace(agent_store, rank, world_size, timeout)
+        url = urlparse(f"tcp://{address}")  # Slurm, or MASTER_ADDR set by hand
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise UsageError(f"cannot use {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
+    listen_fd = None
+    if rank == 0:
+        # TCPStore alone would listen on every interface; listen on the given address only
+        try:
+            listen_fd = socket.create_server((url.hostname, url.port)).detach()
+        except OSError as e:
+            reason = ("the port is in use; choose another --port" if e.errno == errno.EADDRINUSE
+                      else f"{e.strerror}; the address must be one of this machine (node 0)")
+            raise UsageError(f"cannot listen on tcp://{url.hostname}:{url.port}: {reason}") from None
+    return dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
+                         timeout=timeout, master_listen_fd=listen_fd)
+
+
+def fresh_namespace(store: dist.Store, rank: int, world_size: int,
+                    timeout: timedelta) -> dist.Store:
+    """A part of store that no earlier group of this job has written to.
+
+    torchrun keeps its store when it restarts workers, so new workers would
+    read the dead ones' addresses and fail or hang (PyTorch issue 135712), and
+    its restart count differs between nodes. So rank 0 draws a new generation
+    number and hands it to every rank that asks with a fresh token; answers to
+    stale tokens left by dead workers are never read.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        generation = store.add("ddp/generation", 1)
+        answered = set()
+        while store.add(f"ddp/{generation}/joined", 0) < world_size - 1:
+            hellos = [f"ddp/hello/{r}" for r in range(1, world_size)]
+            for token in store.multi_get([k for k in hellos if store.check([k])]):
+                if token not in answered:
+                    store.set(f"ddp/answer/{token.decode()}", str(generation))
+                    answered.add(token)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {store.add(f'ddp/{generation}/joined', 0) + 1} of "
+                                   f"{world_size} processes arrived within {timeout.total_seconds():.0f} s")
+            time.sleep(0.01)
+    else:
+        token = uuid.uuid4().hex
+        store.set(f"ddp/hello/{rank}", token)
+        store.wait([f"ddp/answer/{token}"], timeout)
+        generation = int(store.get(f"ddp/answer/{token}"))
+        store.add(f"ddp/{generation}/joined", 1)
+    return dist.PrefixStore(f"ddp/{generation}/", store)
 
 
 def describe_init_error(error: Exception, init_method: str) -> str:

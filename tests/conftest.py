@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -52,9 +53,20 @@ def kill_everything_started_by(marker: str) -> None:
                 pass
 
 
+STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers():
+    yield
+    while STARTED:
+        kill_everything_started_by(STARTED.pop())
+
+
 def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Start cmd in the repository root; returns the process and its kill marker."""
     marker = uuid.uuid4().hex
+    STARTED.append(marker)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
     proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=full_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -131,3 +143,25 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     run(python("distributed.py", *TINY, "--no-augment", "--output-dir", base / "one"))
     run(torchrun(2, "distributed.py", *TINY, "--no-augment", "--output-dir", base / "two"))
     return {"one": base / "one", "two": base / "two"}
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def training_processes(marker: str, script: str) -> list[int]:
+    """The PIDs of the processes that run script (or spawn_main) themselves, not their launcher."""
+    pids = []
+    for pid in processes_with_marker(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        head = argv[:4]  # python [-u] SCRIPT, or python [-B] -c "...spawn_main..."
+        if any(script.encode() in a for a in head) and b"torch.distributed.run" not in head:
+            pids.append(pid)
+    return pids

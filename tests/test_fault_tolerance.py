@@ -1,0 +1,98 @@
+"""Workers die, peers never come, files break: training resumes or stops cleanly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (PYTHON, ROOT, TINY, finish, free_port, max_weight_difference, metrics,
+                      python, run, start, torchrun, training_processes, wait_for)
+
+# long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
+SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]
+
+
+def kill_one_worker_after_first_checkpoint(proc, marker, out, script: str) -> None:
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    time.sleep(0.5)  # into epoch 2
+    assert proc.poll() is None, "finished before the kill: make the epochs longer"
+    workers = training_processes(marker, script)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+
+
+def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path):
+    run(torchrun(2, "distributed.py", *SLOW, "--output-dir", tmp_path / "straight"))
+    out = tmp_path / "killed"
+    cmd = torchrun(2, "distributed.py", *SLOW, "--output-dir", out)
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=2")
+    proc, marker = start(cmd)
+    kill_one_worker_after_first_checkpoint(proc, marker, out, "distributed.py")
+    result = finish(proc, marker, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "continuing from" in result.stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
+
+
+def test_spawn_ends_every_process_when_one_child_dies(tmp_path):
+    out = tmp_path / "mp"
+    proc, marker = start(python("distributed_mp.py", *SLOW, "--nproc", "2", "--output-dir", out))
+    kill_one_worker_after_first_checkpoint(proc, marker, out, "spawn_main")
+    result = finish(proc, marker, timeout=60)
+    assert result.returncode != 0
+    assert "terminated with signal SIGKILL" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_peer_dying_mid_collective_ends_the_other(tmp_path):
+    """Two hand-started ranks (as on two machines): kill one, the other stops with a line."""
+    out, port = tmp_path / "out", free_port()
+    args = [*SLOW, "--ip", "127.0.0.1", "--port", port, "--timeout", "10", "--output-dir", out]
+    ranks = [start(python("distributed.py", *args), {"RANK": str(r), "WORLD_SIZE": "2"})
+             for r in (0, 1)]
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    ranks[1][0].kill()
+    started = time.monotonic()
+    survivor = finish(*ranks[0], timeout=60)
+    finish(*ranks[1], timeout=10)
+    assert survivor.returncode != 0
+    assert time.monotonic() - started < 10 + 20  # within --timeout, plus a margin
+    assert survivor.stderr.strip().splitlines()[-1].startswith("error: distributed communication failed")
+    assert "Traceback" not in survivor.stderr
+
+
+def test_a_peer_that_never_comes_times_out(tmp_path):
+    result = run(python("distributed.py", *TINY, "--port", free_port(), "--timeout", "3",
+                        "--output-dir", tmp_path), env={"RANK": "0", "WORLD_SIZE": "2"},
+                 timeout=60, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "timed out" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
+    """SIGKILL a process that rewrites a large checkpoint again and again: what is on
+    disk always loads with weights_only=True."""
+    path = tmp_path / "checkpoint.pt"
+    writer = (f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); import utils, pathlib\n"
+              "p = pathlib.Path(sys.argv[1]); i = 0\n"
+              "while True:\n"
+              "    i += 1\n"
+              "    utils.save_checkpoint({'model': {'w': torch.full((4_000_000,), float(i))},"
+              " 'optimizer': {}, 'epoch': i}, p)\n")
+    for delay in (0.05, 0.11, 0.17, 0.23, 0.29):
+        path.unlink(missing_ok=True)
+        proc = subprocess.Popen([PYTHON, "-c", writer, str(path)])
+        wait_for(path.exists, 60, "the first checkpoint")
+        time.sleep(delay)  # somewhere inside a later write
+        proc.kill()
+        proc.wait()
+        state = torch_load(path)
+        assert (state["model"]["w"] == state["epoch"]).all()
+
+
+def torch_load(path):
+    import torch
+    return torch.load(path, weights_only=True)
