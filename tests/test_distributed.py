@@ -161,3 +161,11 @@ def test_indivisible_batch_fails_on_every_rank(tmp_path):
     line = "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
     assert result.stderr.count(line) == 2  # one line from each rank, no hang
     assert "distributed.py\", line" not in result.stderr  # no Python traceback from the script
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("gpu-07", "gpu-07"), ("node[01-04]", "node01"), ("node[3,5-7],login1", "node3"),
+    ("a1,a2", "a1"), ("rack2-[100-101]", "rack2-100")])
+def test_slurm_node_lists_give_their_first_host(nodelist, first):
+    import utils
+    assert utils.slurm_master_addr(nodelist) == first
