@@ -44,7 +44,7 @@ def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
     model.train()
     meter, timer = utils.Meter(device), utils.Timer()
     for step, (images, targets) in enumerate(timer.timed(loader), 1):
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=utils.memory_format(args))
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
         loss = F.cross_entropy(logits, targets)
@@ -71,13 +71,18 @@ def main():
     log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
              f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}")
 
+    torch.backends.cudnn.benchmark = True  # fixed image size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     train_set, val_set, num_classes = utils.build_datasets(args, local_rank=0)
     train_loader, val_loader = utils.build_loaders(
         train_set, val_set, args.batch_size, args, rank, world_size, device.type == "cuda")
-    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    model = utils.build_model(args.arch, num_classes, args.image_size)
+    model = model.to(device, memory_format=utils.memory_format(args))
+    flops_per_image = utils.train_flops_per_image(model, args.image_size, device)
     if args.sync_bn:
         raise UsageError("--sync-bn works with DDP only: use distributed.py")
+    if args.compile:
+        model = torch.compile(model)
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -102,10 +107,12 @@ def main():
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
-        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device,
+                                                   memory_format=utils.memory_format(args))
         record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
                       val_images=val_images, lr=optimizer.param_groups[0]["lr"],
-                      world_size=world_size)
+                      world_size=world_size, peak_mem_mb=utils.peak_memory_mb(device),
+                      tflops=flops_per_image * record["images_per_s"] / 1e12)
         scheduler.step()
         if rank == 0:
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch

@@ -72,7 +72,7 @@ def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
     model.train()
     meter, timer = utils.Meter(device), utils.Timer()
     for step, (images, targets) in enumerate(timer.timed(loader), 1):
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=utils.memory_format(args))
         targets = targets.to(device, non_blocking=True)
         logits = model(images)
         loss = F.cross_entropy(logits, targets)
@@ -106,16 +106,21 @@ def train(local_rank: int, args) -> None:
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
              f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
 
+    torch.backends.cudnn.benchmark = True  # fixed image size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
     train_loader, val_loader = utils.build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
-    model = utils.build_model(args.arch, num_classes, args.image_size).to(device)
+    model = utils.build_model(args.arch, num_classes, args.image_size)
+    model = model.to(device, memory_format=utils.memory_format(args))
+    flops_per_image = utils.train_flops_per_image(model, args.image_size, device)
     if args.sync_bn:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if args.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = utils.cosine_schedule(optimizer, args.epochs)
@@ -138,10 +143,12 @@ def train(local_rank: int, args) -> None:
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
-        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device)
+        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device,
+                                                   memory_format=utils.memory_format(args))
         record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
                       val_images=val_images, lr=optimizer.param_groups[0]["lr"],
-                      world_size=world_size)
+                      world_size=world_size, peak_mem_mb=utils.peak_memory_mb(device),
+                      tflops=flops_per_image * record["images_per_s"] / 1e12)
         scheduler.step()
         if rank == 0:
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import resource
 import socket
 import sys
 import time
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
@@ -90,6 +92,9 @@ def build_parser(description: str) -> ArgumentParser:
     p.add_argument("--timeout", type=float, default=300,
                    help="seconds before a stuck rendezvous or collective fails")
     p.add_argument("--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs")
+    p.add_argument("--channels-last", action="store_true",
+                   help="NHWC memory layout for model and images (faster convolutions on Tensor Cores)")
+    p.add_argument("--compile", action="store_true", help="compile the model with torch.compile")
     p.add_argument("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
     return p
 
@@ -455,6 +460,32 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
         model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+def memory_format(args: argparse.Namespace) -> torch.memory_format:
+    return torch.channels_last if args.channels_last else torch.contiguous_format
+
+
+def train_flops_per_image(model: nn.Module, image_size: int, device: torch.device) -> float:
+    """FLOPs of one image's forward and backward pass, counted once, before training.
+
+    Eval mode, so batch-norm statistics are left untouched; the gradients are dropped.
+    """
+    was_training = model.training
+    model.eval()
+    images = torch.randn(2, 3, image_size, image_size, device=device)
+    with FlopCounterMode(display=False) as counter:
+        model(images).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return counter.get_total_flops() / 2
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated by this process, or its peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,59 +1,11 @@
-"""Run the scripts as users do (subprocesses via python, torchrun, launch, spawn)
-and read what they write. Every run has a timeout, and whatever it started is
-killed afterwards: torchrun puts its workers in sessions of their own, so
-they are found by a marker in their environment, not by process group."""
+"""Fixtures shared by the tests; the helpers that run the scripts live in processes.py."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-# a tiny, fast, exactly reproducible job; its 1035 // 5 = 207 validation images
-# do not split evenly over 2 processes
-TINY = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "1035", "--image-size", "16",
-        "--batch-size", "32", "--epochs", "3", "--lr", "0.1", "--workers", "0",
-        "--print-freq", "10", "--timeout", "60"]
-MARKER = "DDP_SCRIPTS_TEST_RUN"
-
-
-def processes_with_marker(marker: str) -> list[int]:
-    """PIDs of every live process whose environment carries marker."""
-    needle = f"{MARKER}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def kill_everything_started_by(marker: str) -> None:
-    for _ in range(10):
-        pids = processes_with_marker(marker)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
+from processes import STARTED, TINY, kill_everything_started_by, python, run, torchrun
 
 
 @pytest.fixture(autouse=True)
@@ -63,79 +15,6 @@ def kill_leftovers():
         kill_everything_started_by(STARTED.pop())
 
 
-def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """Start cmd in the repository root; returns the process and its kill marker."""
-    marker = uuid.uuid4().hex
-    STARTED.append(marker)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, marker
-
-
-def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for proc; on timeout kill its whole tree and fail the test."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_everything_started_by(marker)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(proc.args)} timed out after {timeout} s\n{out}\n{err}")
-    finally:
-        kill_everything_started_by(marker)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def run(cmd: list, timeout: float = 180, env: dict | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    result = finish(*start(cmd, env), timeout)
-    if check and result.returncode != 0:
-        pytest.fail(f"{' '.join(result.args)} exited {result.returncode}\n"
-                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
-    return result
-
-
-def run_parallel(cmds: list[tuple[list, dict]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Start several commands at once (the nodes of one job) and wait for all."""
-    started = [start(cmd, env) for cmd, env in cmds]
-    results = [finish(proc, marker, timeout) for proc, marker in started]
-    for r in results:
-        if r.returncode != 0:
-            pytest.fail(f"{' '.join(r.args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return results
-
-
-def python(script: str, *args) -> list:
-    return [PYTHON, script, *args]
-
-
-def torchrun(nproc: int, script: str, *args) -> list:
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script, *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(Path(output_dir) / "checkpoint.pt", weights_only=True)["model"]
-
-
-def max_weight_difference(dir_a: Path, dir_b: Path) -> float:
-    a, b = weights(dir_a), weights(dir_b)
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict[str, Path]:
     """The tiny job trained once with 1 process and once with 2, for comparisons."""
@@ -143,25 +22,3 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     run(python("distributed.py", *TINY, "--no-augment", "--output-dir", base / "one"))
     run(torchrun(2, "distributed.py", *TINY, "--no-augment", "--output-dir", base / "two"))
     return {"one": base / "one", "two": base / "two"}
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def training_processes(marker: str, script: str) -> list[int]:
-    """The PIDs of the processes that run script (or spawn_main) themselves, not their launcher."""
-    pids = []
-    for pid in processes_with_marker(marker):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        head = argv[:4]  # python [-u] SCRIPT, or python [-B] -c "...spawn_main..."
-        if any(script.encode() in a for a in head) and b"torch.distributed.run" not in head:
-            pids.append(pid)
-    return pids

@@ -6,7 +6,7 @@ import socket
 import pytest
 from PIL import Image
 
-from conftest import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
+from processes import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
                       run_parallel, torchrun, weights)
 
 

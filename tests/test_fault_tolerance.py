@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import (PYTHON, ROOT, TINY, finish, free_port, max_weight_difference, metrics,
+from processes import (PYTHON, ROOT, TINY, finish, free_port, max_weight_difference, metrics,
                       python, run, start, torchrun, training_processes, wait_for)
 
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from conftest import TINY, free_port, max_weight_difference, metrics, python, run, run_parallel
+from processes import TINY, free_port, max_weight_difference, metrics, python, run, run_parallel
 
 
 def test_dataparallel_equals_single_process_ddp(tmp_path, reference):

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, TINY, free_port, max_weight_difference, metrics, run_parallel
+from processes import PYTHON, TINY, free_port, max_weight_difference, metrics, run_parallel
 
 SUBNET = "10.231.7"  # private addresses that exist only inside these test namespaces
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import TINY, max_weight_difference, metrics, python, run, torchrun, weights
+from processes import TINY, max_weight_difference, metrics, python, run, torchrun, weights
 
 SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CPU
 
