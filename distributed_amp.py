@@ -131,7 +131,9 @@ def main():
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # gradients live in DDP's communication buckets: no copy in or out each step
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True)
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

@@ -1,0 +1,192 @@
+"""Side-by-side benchmark of the five scripts, read from their own metrics.jsonl.
+
+    python tests/benchmark.py --quick     # 2 CPU cores, a few minutes
+    python tests/benchmark.py             # a GPU machine: ResNet-18, CIFAR-shaped fake data
+
+Cases run in turn, round after round (so slow drift of the machine hits all
+of them alike); each run's first epoch is warm-up and the later ones are
+measured. Prints a markdown table, the ratios that show where time goes,
+and a line naming the hardware, the PyTorch version and the command.
+It lives beside the tests because it drives the scripts exactly as they do.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import metrics, python, run, run_parallel, torchrun  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    script: str
+    nproc: int  # processes (1 for DataParallel, which spreads over GPUs itself)
+    flags: list = field(default_factory=list)
+    launcher: str = "torchrun"  # torchrun, python, or pair (two independent processes)
+    env: dict = field(default_factory=dict)
+
+
+def cases(quick: bool, gpus: int) -> list[Case]:
+    n = max(gpus, 1) if not quick else 2
+    if quick:  # CPU: each rank gets one core
+        one = {"OMP_NUM_THREADS": "1"}
+        return [
+            Case("no DDP (dataparallel.py on CPU), 1 process", "dataparallel.py", 1, [], "python", one),
+            Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
+            Case("DDP, 2 processes", "distributed.py", 2),
+            Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
+            Case("DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"),
+            Case("DDP + AMP bfloat16, 2 processes", "distributed_amp.py", 2, ["--amp-dtype", "bfloat16"]),
+            Case("accumulation K=4 with no_sync", "distributed_grad_accum.py", 2, ["--accum-steps", "4"]),
+            Case("accumulation K=4, all-reduce every micro-batch", "distributed_grad_accum.py", 2,
+                 ["--accum-steps", "4", "--sync-every-micro-batch"]),
+        ]
+    cl, comp = ["--channels-last"], ["--compile"]
+    return [
+        Case(f"DataParallel, {n} GPU", "dataparallel.py", 1, [], "python"),
+        Case("DDP fp32", "distributed.py", n),
+        Case("DDP fp32 + channels_last", "distributed.py", n, cl),
+        Case("DDP by mp.spawn fp32", "distributed_mp.py", n, ["--nproc", str(n)], "python"),
+        Case("DDP + AMP float16", "distributed_amp.py", n, ["--amp-dtype", "float16"]),
+        Case("DDP + AMP bfloat16", "distributed_amp.py", n, ["--amp-dtype", "bfloat16"]),
+        Case("DDP + AMP bfloat16 + channels_last", "distributed_amp.py", n, ["--amp-dtype", "bfloat16", *cl]),
+        Case("DDP + AMP bfloat16 + channels_last + compile", "distributed_amp.py", n,
+             ["--amp-dtype", "bfloat16", *cl, *comp]),
+        Case("DDP + AMP float16 + channels_last + compile", "distributed_amp.py", n,
+             ["--amp-dtype", "float16", *cl, *comp]),
+        Case("DDP fp32, accumulation K=2", "distributed_grad_accum.py", n, ["--accum-steps", "2"]),
+    ]
+
+
+def workload(args) -> list[str]:
+    return ["--dataset", "fake", "--fake-size", str(args.fake_size), "--image-size", str(args.image_size),
+            "--arch", args.arch, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
+            "--workers", str(args.workers), "--print-freq", "100000", "--lr", "0.2"]
+
+
+def run_case(case: Case, common: list[str], out: Path) -> list[dict]:
+    """Run one case; returns the measured epochs (after the first) of every process that wrote metrics."""
+    flags = [*common, *case.flags]
+    if case.launcher == "pair":  # two runs that never communicate, each with half the batch and data
+        half = half_workload(flags)
+        run_parallel([(python(case.script, *half, "--output-dir", out / str(i)), case.env) for i in (0, 1)],
+                     timeout=1800)
+        return [m for i in (0, 1) for m in metrics(out / str(i))[1:]]
+    cmd = (python(case.script, *flags, "--output-dir", out) if case.launcher == "python"
+           else torchrun(case.nproc, case.script, *flags, "--output-dir", out))
+    run(cmd, timeout=1800, env=case.env)
+    return metrics(out)[1:]
+
+
+def half_workload(flags: list[str]) -> list[str]:
+    flags = list(flags)
+    for name in ("--batch-size", "--fake-size"):
+        i = flags.index(name)
+        flags[i + 1] = str(int(flags[i + 1]) // 2)
+    return flags
+
+
+def summarise(case: Case, runs: list[list[dict]]) -> dict:
+    """Median seconds per epoch over runs (each run's mean of measured epochs), and the rest."""
+    if case.launcher == "pair":  # two processes at once: their rates add up
+        per_run = [sum(m["images_per_s"] for m in r) / (len(r) / 2) for r in runs]
+        seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
+    else:
+        per_run = [statistics.mean(m["images_per_s"] for m in r) for r in runs]
+        seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
+    last = runs[-1][-1]
+    return dict(seconds=statistics.median(seconds), low=min(seconds), high=max(seconds),
+                images_per_s=statistics.median(per_run), tflops=last.get("tflops", 0.0),
+                peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
+                data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"] for r in runs for m in r))
+
+
+def table(rows: list[tuple[Case, dict]], batch: int) -> str:
+    lines = ["| approach | processes | global batch | s/epoch median (min-max) | images/s | TFLOP/s "
+             "| peak memory MB | data wait | val acc |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for case, s in rows:
+        b = f"2 x {batch // 2}" if case.launcher == "pair" else str(batch)
+        lines.append(f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
+                     f"| {s['images_per_s']:.0f} | {s['tflops']:.2f} | {s['peak_mem_mb']:.0f} "
+                     f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |")
+    return "\n".join(lines)
+
+
+def cpu_ratios(results: dict[str, dict]) -> str:
+    r = {name.split(",")[0] if "ceiling" in name else name: s for name, s in results.items()}
+    ddp1, ddp2 = r["DDP, 1 process"], r["DDP, 2 processes"]
+    ceiling, plain = r["ceiling: 2 independent processes"], r["no DDP (dataparallel.py on CPU), 1 process"]
+    no_sync = r["accumulation K=4 with no_sync"]
+    every = r["accumulation K=4, all-reduce every micro-batch"]
+    return "\n".join([
+        f"- scaling: 2 DDP processes / 1 process = {ddp2['images_per_s'] / ddp1['images_per_s']:.2f}x; "
+        f"ceiling (2 independent processes) / 1 process = {ceiling['images_per_s'] / ddp1['images_per_s']:.2f}x; "
+        f"DDP / ceiling = {ddp2['images_per_s'] / ceiling['images_per_s']:.3f} (goal >= 0.95)",
+        f"- DDP overhead at world size 1: {100 * (ddp1['seconds'] / plain['seconds'] - 1):+.1f}% "
+        f"seconds per epoch against the same training without DDP (goal <= 3%)",
+        f"- accumulation: all-reduce every micro-batch / no_sync = {every['seconds'] / no_sync['seconds']:.2f}x "
+        f"time per epoch",
+        f"- data loading: {100 * ddp2['data_wait']:.1f}% of DDP step time spent waiting for data (goal < 5%)"])
+
+
+def hardware() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, " if torch.cuda.is_available() else "")
+    return (f"{gpu}{os.cpu_count()} CPU cores ({cpu}), PyTorch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small CPU workload, a few minutes on 2 cores")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds over all cases (default 3, quick 2)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per run; the first is warm-up")
+    parser.add_argument("--fake-size", type=int, default=None, help="images per epoch")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers per process")
+    parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    args = parser.parse_args()
+    gpus = 0 if args.quick else torch.cuda.device_count()
+    if not args.quick and gpus == 0:
+        parser.error("no GPU visible: use --quick for the CPU benchmark")
+    defaults = (dict(repeats=2, epochs=2, fake_size=8192, batch_size=128, workers=0, arch="tiny", image_size=32)
+                if args.quick else
+                dict(repeats=3, epochs=3, fake_size=50_000, batch_size=512, workers=6, arch="resnet18", image_size=32))
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    selected = [c for c in cases(args.quick, gpus) if args.only is None or args.only in c.name]
+    common = workload(args)
+    runs: dict[str, list] = {c.name: [] for c in selected}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.repeats):
+            for i, case in enumerate(selected):
+                print(f"round {round_ + 1}/{args.repeats}: {case.name}", file=sys.stderr, flush=True)
+                runs[case.name].append(run_case(case, common, Path(tmp) / f"{round_}-{i}"))
+    results = {c.name: summarise(c, runs[c.name]) for c in selected}
+    print(f"Workload: {args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images "
+          f"per epoch, {args.epochs} epochs per run (first is warm-up), {args.repeats} runs per case.\n")
+    print(table([(c, results[c.name]) for c in selected], args.batch_size))
+    if args.quick and args.only is None:
+        print("\n" + cpu_ratios(results))
+    print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {' '.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler,
+SyncBatchNorm, channels_last, torch.compile), for a machine with a GPU. CI has
+none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
+it measured, one line per check, and exits non-zero if a check fails."""
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import TINY, max_weight_difference, metrics, python, run, torchrun, weights  # noqa: E402
+
+failures = []
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "no GPU visible"
+    print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, PyTorch {torch.__version__}")
+    tmp = Path(tempfile.mkdtemp())
+    exact = [*TINY, "--no-augment"]
+    run(python("distributed.py", *exact, "--output-dir", tmp / "ddp"))
+    m = metrics(tmp / "ddp")[-1]
+    check("distributed.py on cuda (nccl, world 1) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}")
+    run(python("dataparallel.py", *exact, "--output-dir", tmp / "dp"))
+    d = max_weight_difference(tmp / "dp", tmp / "ddp")
+    check("dataparallel.py on 1 GPU == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    run(python("distributed_mp.py", *exact, "--output-dir", tmp / "mp"))
+    d = max_weight_difference(tmp / "mp", tmp / "ddp")
+    check("distributed_mp.py (nccl, spawn) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    run(torchrun(1, "distributed_grad_accum.py", *exact, "--accum-steps", "4", "--output-dir", tmp / "acc"))
+    d = max_weight_difference(tmp / "acc", tmp / "ddp")
+    check("accumulation K=4 == one batch", d <= 1e-4, f"max weight difference {d:.2e}")
+    for dtype in ("float16", "bfloat16"):
+        run(torchrun(1, "distributed_amp.py", *exact, "--amp-dtype", dtype, "--output-dir", tmp / dtype))
+        m = metrics(tmp / dtype)[-1]
+        check(f"AMP {dtype} on cuda learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
+              f"loss scale {m['loss_scale']}, skipped {m['skipped_steps']}")
+    scaled = [*exact, "--amp-dtype", "float16", "--init-scale", str(2.0 ** 40)]
+    run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "straight"))
+    run(python("distributed_amp.py", *scaled, "--stop-after", "1", "--output-dir", tmp / "resumed"))
+    run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "resumed"))
+    first = metrics(tmp / "straight")[0]
+    finite = all(torch.isfinite(w).all() for w in weights(tmp / "straight").values())
+    check("float16 overflow skipped, weights finite", first["skipped_steps"] > 0 and finite,
+          f"{first['skipped_steps']} skipped steps in epoch 1, scale now {first['loss_scale']}")
+    d = max_weight_difference(tmp / "straight", tmp / "resumed")
+    same_scale = metrics(tmp / "straight")[-1]["loss_scale"] == metrics(tmp / "resumed")[-1]["loss_scale"]
+    check("float16 continued run == uninterrupted (scaler state too)", d <= 1e-4 and same_scale,
+          f"max weight difference {d:.2e}, same loss scale {same_scale}")
+    resnet = ["--dataset", "fake", "--arch", "resnet18", "--fake-size", "2048", "--batch-size", "128",
+              "--epochs", "2", "--workers", "2"]
+    run(torchrun(1, "distributed.py", *resnet, "--sync-bn", "--output-dir", tmp / "syncbn"))
+    m = metrics(tmp / "syncbn")[-1]
+    check("resnet18 with --sync-bn trains", math.isfinite(m["train_loss"]), f"train_loss {m['train_loss']:.3f}")
+    run(torchrun(1, "distributed_amp.py", *resnet, "--amp-dtype", "bfloat16", "--channels-last",
+                 "--compile", "--output-dir", tmp / "compiled"))
+    keys = list(weights(tmp / "compiled"))
+    clean = not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
+    check("channels_last + compile checkpoint has plain keys", clean, f"first key {keys[0]}")
+    print(f"{len(failures)} failed" if failures else "all GPU checks passed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
