@@ -85,7 +85,7 @@ def train_one_epoch(model, loader, optimizer, scaler, amp_dtype, epoch: int, arg
     meter, timer = utils.Meter(device), utils.Timer()
     skipped = torch.zeros((), device=device)
     for step, (images, targets) in enumerate(timer.timed(loader), 1):
-        images = images.to(device, non_blocking=True, memory_format=utils.memory_format(args))
+        images = utils.prepare_images(images, device, args.channels_last)
         targets = targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype):  # forward and loss only, not backward
             logits = model(images)
@@ -125,7 +125,9 @@ def main():
     train_loader, val_loader = utils.build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
     model = utils.build_model(args.arch, num_classes, args.image_size)
-    model = model.to(device, memory_format=utils.memory_format(args))
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+    model = model.to(device)
     flops_per_image = utils.train_flops_per_image(model, args.image_size, device)
     if args.sync_bn:
         if device.type != "cuda":
@@ -163,7 +165,7 @@ def main():
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         record = train_one_epoch(model, train_loader, optimizer, scaler, amp_dtype, epoch, args, device)
         val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device, amp_dtype,
-                                                   memory_format=utils.memory_format(args))
+                                                   channels_last=args.channels_last)
         record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
                       val_images=val_images, lr=optimizer.param_groups[0]["lr"],
                       world_size=world_size, peak_mem_mb=utils.peak_memory_mb(device),

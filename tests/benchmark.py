@@ -69,9 +69,10 @@ def cases(quick: bool, gpus: int) -> list[Case]:
 
 
 def workload(args) -> list[str]:
+    workers = [] if args.workers is None else ["--workers", str(args.workers)]
     return ["--dataset", "fake", "--fake-size", str(args.fake_size), "--image-size", str(args.image_size),
             "--arch", args.arch, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-            "--workers", str(args.workers), "--print-freq", "100000", "--lr", "0.2"]
+            "--print-freq", "100000", "--lr", "0.2", *workers]
 
 
 def run_case(case: Case, common: list[str], out: Path) -> list[dict]:
@@ -159,15 +160,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="epochs per run; the first is warm-up")
     parser.add_argument("--fake-size", type=int, default=None, help="images per epoch")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers per process")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader workers per process (default: the scripts' own default)")
     parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
         parser.error("no GPU visible: use --quick for the CPU benchmark")
-    defaults = (dict(repeats=2, epochs=2, fake_size=8192, batch_size=128, workers=0, arch="tiny", image_size=32)
+    defaults = (dict(repeats=2, epochs=2, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
                 if args.quick else
-                dict(repeats=3, epochs=3, fake_size=50_000, batch_size=512, workers=6, arch="resnet18", image_size=32))
+                dict(repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32))
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
