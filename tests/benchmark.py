@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
     parser.add_argument("--workers", type=int, default=None,
                         help="DataLoader workers per process (default: the scripts' own default)")
-    parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    parser.add_argument("--only", default=None, help="run only the case of this name, or those whose names contain it")
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
@@ -173,7 +173,10 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    selected = [c for c in cases(args.quick, gpus) if args.only is None or args.only in c.name]
+    all_cases = cases(args.quick, gpus)
+    exact = any(c.name == args.only for c in all_cases)  # an exact name picks that case alone
+    selected = [c for c in all_cases if args.only is None or args.only == c.name
+                or (not exact and args.only in c.name)]
     common = workload(args)
     runs: dict[str, list] = {c.name: [] for c in selected}
     with tempfile.TemporaryDirectory() as tmp:
