@@ -82,7 +82,7 @@ def build_parser(description: str) -> ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader worker processes per process (default: the CPU cores each GPU "
-                        "can spare, at most 12; 0 on a CPU-only machine, where training uses every core)")
+                        "can spare, at most 8; 0 on a CPU-only machine, where training uses every core)")
     p.add_argument("--seed", type=int, default=0, help="seed for init, data order and augmentation")
     p.add_argument("--print-freq", type=int, default=50, help="log every N steps")
     p.add_argument("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
@@ -434,7 +434,7 @@ def download_once_per_node(cls, args, local_rank: int) -> None:
 def default_workers() -> int:
     """Spare cores per GPU (one per process is kept for the training loop itself)."""
     gpus = torch.cuda.device_count()
-    return min(12, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
+    return min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
 
 
 def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, args, rank: int,

@@ -184,6 +184,9 @@ def main() -> None:
             for i, case in enumerate(selected):
                 print(f"round {round_ + 1}/{args.repeats}: {case.name}", file=sys.stderr, flush=True)
                 runs[case.name].append(run_case(case, common, Path(tmp) / f"{round_}-{i}"))
+                # each run's row at once, so a cut-off benchmark still leaves its numbers
+                print(table([(case, summarise(case, runs[case.name][-1:]))], args.batch_size)
+                      .splitlines()[-1], file=sys.stderr, flush=True)
     results = {c.name: summarise(c, runs[c.name]) for c in selected}
     print(f"Workload: {args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images "
           f"per epoch, {args.epochs} epochs per run (first is warm-up), {args.repeats} runs per case.\n")
