@@ -33,10 +33,10 @@ def test_float16_overflow_is_skipped_and_continues_exactly(tmp_path):
     assert first_epoch["skipped_steps"] >= 10 and first_epoch["loss_scale"] < 2.0 ** 30
     assert all(math.isfinite(v) for w in weights(tmp_path / "straight").values() for v in w.flatten().tolist())
     assert max_weight_difference(tmp_path / "straight", tmp_path / "resumed") <= 1e-6
-    assert metrics(tmp_path / "straight") == [
-        {**m, "epoch_time_s": s["epoch_time_s"], "images_per_s": s["images_per_s"],
-         "data_wait_s": s["data_wait_s"]}
-        for m, s in zip(metrics(tmp_path / "resumed"), metrics(tmp_path / "straight"))]
+    measured = {"epoch_time_s", "images_per_s", "data_wait_s", "peak_mem_mb", "tflops"}  # vary per run
+    learned = [[{k: v for k, v in m.items() if k not in measured} for m in metrics(tmp_path / run)]
+               for run in ("straight", "resumed")]
+    assert learned[0] == learned[1]  # losses, accuracies, skipped steps and loss scale alike
 
 
 def test_accumulation_equals_one_big_batch(tmp_path, reference):
