@@ -174,7 +174,9 @@ def main():
         # join=True: if one process fails, spawn ends the others and raises here
         mp.spawn(worker, args=(args, errors), nprocs=args.nproc, join=True)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-        sys.exit(errors.get() if not errors.empty() else f"error: {first_line(e)}")
+        # a child killed by a signal (the OOM killer, say) is the cause; the others' errors follow from it
+        killed = isinstance(e, mp.ProcessExitedException) and e.signal_name
+        sys.exit(errors.get() if not (killed or errors.empty()) else f"error: {first_line(e)}")
 
 
 if __name__ == "__main__":
