@@ -114,9 +114,10 @@ def main():
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # gradients live in DDP's communication buckets: no copy in or out each step
+    # gradients live in DDP's communication buckets: no copy in or out each step;
+    # batch-norm statistics go out at evaluation (utils.evaluate), not before every forward
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True)
+                gradient_as_bucket_view=True, broadcast_buffers=False)
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

@@ -1,11 +1,14 @@
 """Fixtures shared by the tests; the helpers that run the scripts live in processes.py."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from processes import STARTED, TINY, kill_everything_started_by, python, run, torchrun
+from processes import ROOT, STARTED, TINY, kill_everything_started_by, python, run, torchrun
+
+sys.path.insert(0, str(ROOT))  # the tests that check helpers in process import utils
 
 
 @pytest.fixture(autouse=True)

@@ -1,16 +1,11 @@
 """The batched augmentation against torchvision's per-image transforms, in process."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from processes import ROOT
-
-sys.path.insert(0, str(ROOT))
-import utils  # noqa: E402
+import utils
 
 
 def torchvision_crop_flip(image: torch.Tensor, top: int, left: int, flip: bool, padding: int) -> torch.Tensor:

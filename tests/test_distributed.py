@@ -4,7 +4,11 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 from PIL import Image
+from torch.utils.data import DataLoader
+
+import utils
 
 from processes import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
                       run_parallel, torchrun, weights)
@@ -51,6 +55,25 @@ def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
     assert max_weight_difference(out, reference["one"]) <= 1e-6
     assert metrics(out)[-1]["val_loss"] == pytest.approx(metrics(reference["one"])[-1]["val_loss"],
                                                          abs=1e-6)
+
+
+def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
+    """DDP does not broadcast batch-norm buffers before each forward here, so each rank's
+    running statistics drift apart; evaluation must still score every rank's shard with
+    rank 0's, the ones the checkpoint keeps. Checked against the checkpoint scored in this process."""
+    out = tmp_path / "out"
+    run(torchrun(2, "distributed.py", "--dataset", "fake", "--arch", "resnet18", "--fake-size", "210",
+                 "--image-size", "16", "--batch-size", "32", "--epochs", "1", "--workers", "0",
+                 "--output-dir", out))
+    logged = metrics(out)[-1]
+    model = utils.build_model("resnet18", 10, 16)
+    model.load_state_dict(weights(out))
+    val_set = utils.fake_images(210 // utils.FAKE_VAL_FRACTION, 16, "val")
+    loader = DataLoader(val_set, 64, collate_fn=utils.already_batched)
+    loss, acc, images = utils.evaluate(model, loader, torch.device("cpu"))
+    assert images == logged["val_images"] == 42
+    assert loss == pytest.approx(logged["val_loss"], rel=1e-5)
+    assert acc == logged["val_acc"]
 
 
 def launch_commands(mode: str, out, tmp_path) -> list[tuple[list, dict]]:
