@@ -97,17 +97,26 @@ def half_workload(flags: list[str]) -> list[str]:
     return flags
 
 
+def epoch_rates(case: Case, run: list[dict]) -> list[float]:
+    """Images/s of each measured epoch; a pair's two processes run at once, so their rates add up."""
+    if case.launcher == "pair":
+        half = len(run) // 2
+        return [a["images_per_s"] + b["images_per_s"] for a, b in zip(run[:half], run[half:])]
+    return [m["images_per_s"] for m in run]
+
+
 def summarise(case: Case, runs: list[list[dict]]) -> dict:
-    """Median seconds per epoch over runs (each run's mean of measured epochs), and the rest."""
-    if case.launcher == "pair":  # two processes at once: their rates add up
-        per_run = [sum(m["images_per_s"] for m in r) / (len(r) / 2) for r in runs]
-        seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
-    else:
-        per_run = [statistics.mean(m["images_per_s"] for m in r) for r in runs]
-        seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
+    """Median seconds per epoch over runs (each run's mean of measured epochs), and the rest.
+
+    `best` is the fastest measured epoch of all runs: noise on a shared machine only ever
+    slows a run down (here sometimes by half, for whole runs), so the ratios use it.
+    """
+    seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
+    rates = [epoch_rates(case, r) for r in runs]
     last = runs[-1][-1]
     return dict(seconds=statistics.median(seconds), low=min(seconds), high=max(seconds),
-                images_per_s=statistics.median(per_run), tflops=last.get("tflops", 0.0),
+                images_per_s=statistics.median(statistics.mean(r) for r in rates),
+                best=max(max(r) for r in rates), tflops=last.get("tflops", 0.0),
                 peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
                 data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"] for r in runs for m in r))
 
@@ -125,20 +134,21 @@ def table(rows: list[tuple[Case, dict]], batch: int) -> str:
 
 
 def cpu_ratios(results: dict[str, dict]) -> str:
-    r = {name.split(",")[0] if "ceiling" in name else name: s for name, s in results.items()}
+    r = {name.split(",")[0] if "ceiling" in name else name: s["best"] for name, s in results.items()}
     ddp1, ddp2 = r["DDP, 1 process"], r["DDP, 2 processes"]
     ceiling, plain = r["ceiling: 2 independent processes"], r["no DDP (dataparallel.py on CPU), 1 process"]
     no_sync = r["accumulation K=4 with no_sync"]
     every = r["accumulation K=4, all-reduce every micro-batch"]
+    data_wait = results["DDP, 2 processes"]["data_wait"]
     return "\n".join([
-        f"- scaling: 2 DDP processes / 1 process = {ddp2['images_per_s'] / ddp1['images_per_s']:.2f}x; "
-        f"ceiling (2 independent processes) / 1 process = {ceiling['images_per_s'] / ddp1['images_per_s']:.2f}x; "
-        f"DDP / ceiling = {ddp2['images_per_s'] / ceiling['images_per_s']:.3f} (goal >= 0.95)",
-        f"- DDP overhead at world size 1: {100 * (ddp1['seconds'] / plain['seconds'] - 1):+.1f}% "
-        f"seconds per epoch against the same training without DDP (goal <= 3%)",
-        f"- accumulation: all-reduce every micro-batch / no_sync = {every['seconds'] / no_sync['seconds']:.2f}x "
-        f"time per epoch",
-        f"- data loading: {100 * ddp2['data_wait']:.1f}% of DDP step time spent waiting for data (goal < 5%)"])
+        "Ratios of each case's fastest measured epoch (images/s):",
+        f"- scaling: 2 DDP processes / 1 process = {ddp2 / ddp1:.2f}x; "
+        f"ceiling (2 independent processes) / 1 process = {ceiling / ddp1:.2f}x; "
+        f"DDP / ceiling = {ddp2 / ceiling:.3f} (goal >= 0.95)",
+        f"- DDP overhead at world size 1: {100 * (plain / ddp1 - 1):+.1f}% "
+        f"time per image against the same training without DDP (goal <= 3%)",
+        f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
+        f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)"])
 
 
 def hardware() -> str:
@@ -167,7 +177,7 @@ def main() -> None:
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
         parser.error("no GPU visible: use --quick for the CPU benchmark")
-    defaults = (dict(repeats=2, epochs=2, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
+    defaults = (dict(repeats=2, epochs=3, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
                 if args.quick else
                 dict(repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32))
     for key, value in defaults.items():
