@@ -136,7 +136,7 @@ def main():
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation (utils.evaluate), not before every forward
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, broadcast_buffers=False)
+                gradient_as_bucket_view=True, **utils.no_buffer_sync_per_forward())
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import inspect
 import json
 import logging
 import math
@@ -567,6 +568,13 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def no_buffer_sync_per_forward() -> dict[str, bool]:
+    """DDP's keyword that stops it broadcasting rank 0's buffers before every forward
+    (`forward_sync_buffers` in newer PyTorch, `broadcast_buffers` before)."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -109,7 +109,7 @@ def summarise(case: Case, runs: list[list[dict]]) -> dict:
     """Median seconds per epoch over runs (each run's mean of measured epochs), and the rest.
 
     `best` is the fastest measured epoch of all runs: noise on a shared machine only ever
-    slows a run down (here sometimes by half, for whole runs), so the ratios use it.
+    slows a run down (here by up to half again, for whole epochs), so the ratios use it.
     """
     seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
     rates = [epoch_rates(case, r) for r in runs]

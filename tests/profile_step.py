@@ -45,8 +45,8 @@ def build(args, device: torch.device) -> torch.nn.Module:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     if not args.no_ddp:
-        model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True,
-                    broadcast_buffers=args.broadcast_buffers)
+        buffers = {} if args.broadcast_buffers else utils.no_buffer_sync_per_forward()
+        model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, **buffers)
     return torch.compile(model, mode=args.compile_mode) if args.compile else model
 
 
