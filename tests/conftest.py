@@ -8,7 +8,7 @@ import pytest
 
 from processes import ROOT, STARTED, TINY, kill_everything_started_by, python, run, torchrun
 
-sys.path.insert(0, str(ROOT))  # the tests that check helpers in process import utils
+sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
 
 
 @pytest.fixture(autouse=True)
