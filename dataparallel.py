@@ -14,8 +14,24 @@ import utils  # first: it quiets PyTorch's C++ logging before torch loads
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler
 from utils import UsageError, log
 
+
+# ---- your data and model: replace these two bodies, nothing else ----
+
+def build_datasets(args):
+    """(train_set, val_set, num_classes): map-style Datasets of (input tensor, int label).
+    Inputs of any shape; float inputs are used as they are."""
+    return utils.builtin_datasets(args)  # --dataset: CIFAR, an image folder or fake images
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """Any nn.Module that maps a batch of inputs to (batch, num_classes) logits."""
+    return utils.builtin_model(args.arch, num_classes, args.image_size)  # --arch: tiny or torchvision
+
+
+# ---- the approach ----
 
 def parse_args():
     parser = utils.build_parser(__doc__.splitlines()[0])
@@ -40,25 +56,53 @@ def select_devices(args) -> list[int]:
     return [int(i) for i in ids]
 
 
+def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader, torch.Generator]:
+    common = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    # one process loads the whole batch; DataParallel splits it over the GPUs. A seeded generator
+    # gives the same shuffle as the DDP scripts' DistributedSampler at world size 1
+    shuffle = torch.Generator()
+    train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
+                              drop_last=True, **common)
+    val_loader = DataLoader(val_set, args.batch_size, **common)  # every image once, in order
+    if len(train_loader) == 0:
+        raise UsageError(f"{len(train_set)} training samples make no full batch of {args.batch_size}: "
+                         f"lower --batch-size or use more data")
+    return train_loader, val_loader, shuffle
+
+
 def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
     model.train()
-    meter, timer = utils.Meter(device), utils.Timer()
-    for step, (images, targets) in enumerate(timer.timed(loader), 1):
-        images = utils.prepare_images(images, device, args.channels_last)
-        targets = targets.to(device, non_blocking=True)
-        logits = model(images)
+    meter = utils.Meter(device)
+    for step, batch in enumerate(meter.timed(loader), 1):
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
+                                                key=(epoch, step))
+        logits = model(inputs)
         loss = F.cross_entropy(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # replicas' gradients are summed onto the first GPU
         optimizer.step()
         meter.update(loss, logits, targets)
         if step % args.print_freq == 0:
-            utils.log_progress(meter, timer, epoch, args.epochs, step, len(loader),
+            utils.log_progress(meter, epoch, args.epochs, step, len(loader),
                                optimizer.param_groups[0]["lr"])
-    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
-    seconds = timer.elapsed()
+    train_loss, train_acc, samples = meter.reduce()
+    seconds = meter.elapsed()
     return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
-                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait)
+                images_per_s=samples / seconds, data_wait_s=meter.data_wait)
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, device) -> dict:
+    """Loss and accuracy over the whole validation set, each sample counted once."""
+    module = utils.unwrap(model)  # one device is enough to score
+    module.eval()
+    meter = utils.Meter(device)
+    for batch in loader:
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        logits = module(inputs)
+        meter.update(F.cross_entropy(logits, targets), logits, targets)
+    val_loss, val_acc, samples = meter.reduce()
+    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
 
 
 def main():
@@ -71,16 +115,16 @@ def main():
     log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
              f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}")
 
-    torch.backends.cudnn.benchmark = True  # fixed image size: cuDNN times and picks its fastest kernels
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    train_set, val_set, num_classes = utils.build_datasets(args, local_rank=0)
-    train_loader, val_loader = utils.build_loaders(
-        train_set, val_set, args.batch_size, args, rank, world_size, device.type == "cuda")
-    model = utils.build_model(args.arch, num_classes, args.image_size)
+    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
+    torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
+    train_set, val_set, num_classes = build_datasets(args)
+    train_loader, val_loader, shuffle = build_loaders(train_set, val_set, args, device)
+    model = build_model(args, num_classes)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
-    flops_per_image = utils.train_flops_per_image(model, args.image_size, device)
+    sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
+    flops_per_sample = utils.train_flops_per_sample(model, sample[:2])
     if args.sync_bn:
         raise UsageError("--sync-bn works with DDP only: use distributed.py")
     if args.compile:
@@ -107,14 +151,12 @@ def main():
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        shuffle.manual_seed(args.seed + epoch)  # a new shuffle each epoch, as DistributedSampler's
         record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
-        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device,
-                                                   channels_last=args.channels_last)
-        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
-                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
-                      world_size=world_size, peak_mem_mb=utils.peak_memory_mb(device),
-                      tflops=flops_per_image * record["images_per_s"] / 1e12)
+        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
+                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
+                      peak_mem_mb=utils.peak_memory_mb(device),
+                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
         scheduler.step()
         if rank == 0:
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch

@@ -22,8 +22,24 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 from utils import UsageError, log
 
+
+# ---- your data and model: replace these two bodies, nothing else ----
+
+def build_datasets(args):
+    """(train_set, val_set, num_classes): map-style Datasets of (input tensor, int label).
+    Inputs of any shape; float inputs are used as they are."""
+    return utils.builtin_datasets(args)  # --dataset: CIFAR, an image folder or fake images
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """Any nn.Module that maps a batch of inputs to (batch, num_classes) logits."""
+    return utils.builtin_model(args.arch, num_classes, args.image_size)  # --arch: tiny or torchvision
+
+
+# ---- the approach ----
 
 def parse_args():
     parser = utils.build_parser(__doc__.splitlines()[0])
@@ -80,18 +96,35 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     return rank, local_rank, world_size, device
 
 
+def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
+                  device) -> tuple[DataLoader, DataLoader]:
+    common = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
+    # dropped so that every rank takes the same number of steps
+    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
+                                       drop_last=True)
+    train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True, **common)
+    # validation: rank r takes images r, r+W, r+2W, ...: every image exactly once
+    # (DistributedSampler would pad the last shard with repeated images)
+    val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
+    if len(train_loader) == 0:
+        raise UsageError(f"{len(train_set)} training samples make no full batch of {batch_per_rank} "
+                         f"per process: lower --batch-size or use more data")
+    return train_loader, val_loader
+
+
 def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
     model.train()
-    meter, timer = utils.Meter(device), utils.Timer()
+    meter = utils.Meter(device)
     k = args.accum_steps
     steps = len(loader) // k  # leftover micro-batches would make a smaller step: skip them
-    for micro_step, (images, targets) in enumerate(islice(timer.timed(loader), steps * k), 1):
-        images = utils.prepare_images(images, device, args.channels_last)
-        targets = targets.to(device, non_blocking=True)
+    for micro_step, batch in enumerate(islice(meter.timed(loader), steps * k), 1):
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
+                                                key=(epoch, micro_step))
         last = micro_step % k == 0
         # no_sync covers forward too: DDP prepares its all-reduce during forward
         with nullcontext() if last or args.sync_every_micro_batch else model.no_sync():
-            logits = model(images)
+            logits = model(inputs)
             loss = F.cross_entropy(logits, targets)
             (loss / k).backward()  # the K micro-batch means add up to the full batch's mean
         meter.update(loss, logits, targets)
@@ -101,12 +134,28 @@ def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step = micro_step // k
         if step % args.print_freq == 0:
-            utils.log_progress(meter, timer, epoch, args.epochs, step, steps,
+            utils.log_progress(meter, epoch, args.epochs, step, steps,
                                optimizer.param_groups[0]["lr"])
-    train_loss, train_acc, images_seen = meter.reduce()  # mean over all ranks
-    seconds = timer.elapsed()
+    train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
+    seconds = meter.elapsed()
     return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
-                images_per_s=images_seen / seconds, data_wait_s=timer.data_wait)
+                images_per_s=samples / seconds, data_wait_s=meter.data_wait)
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, device) -> dict:
+    """Loss and accuracy over the whole validation set, each sample counted once."""
+    module = utils.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
+    for buffer in module.buffers():  # rank 0's batch-norm statistics, the checkpoint's, on every rank
+        dist.broadcast(buffer, 0)
+    module.eval()
+    meter = utils.Meter(device)
+    for batch in loader:
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        logits = module(inputs)
+        meter.update(F.cross_entropy(logits, targets), logits, targets)
+    val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
+    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
 
 
 def main():
@@ -118,22 +167,23 @@ def main():
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
              f"batch {args.batch_size} = {world_size} x {args.accum_steps} x {batch_per_rank}")
 
-    torch.backends.cudnn.benchmark = True  # fixed image size: cuDNN times and picks its fastest kernels
+    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
-    train_loader, val_loader = utils.build_loaders(
-        train_set, val_set, batch_per_rank, args, rank, world_size, device.type == "cuda")
-    model = utils.build_model(args.arch, num_classes, args.image_size)
+    train_set, val_set, num_classes = build_datasets(args)
+    train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
+                                             world_size, device)
+    model = build_model(args, num_classes)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
-    flops_per_image = utils.train_flops_per_image(model, args.image_size, device)
+    sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
+    flops_per_sample = utils.train_flops_per_sample(model, sample[:2])
     if args.sync_bn:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
-    # batch-norm statistics go out at evaluation (utils.evaluate), not before every forward
+    # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True, **utils.no_buffer_sync_per_forward())
     if args.compile:
@@ -160,14 +210,12 @@ def main():
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
-        val_loss, val_acc, val_images = utils.evaluate(model, val_loader, device,
-                                                   channels_last=args.channels_last)
-        record = dict(epoch=epoch + 1, **record, val_loss=val_loss, val_acc=val_acc,
-                      val_images=val_images, lr=optimizer.param_groups[0]["lr"],
-                      world_size=world_size, peak_mem_mb=utils.peak_memory_mb(device),
-                      tflops=flops_per_image * record["images_per_s"] / 1e12)
+        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
+                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
+                      peak_mem_mb=utils.peak_memory_mb(device),
+                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
         scheduler.step()
-        if rank == 0:
+        if rank == 0:  # one writer; the other ranks hold the same weights
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
             utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
                                    "optimizer": optimizer.state_dict(),
@@ -176,6 +224,7 @@ def main():
                                   checkpoint_path)
             utils.log_epoch(record, args.epochs)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 def main():
     args = script.parse_args()
     rank, local_rank, world_size, device = script.setup_distributed(args)
-    train_set, val_set, num_classes = utils.build_datasets(args, local_rank)
+    train_set, val_set, num_classes = script.build_datasets(args)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
-    loader, _ = utils.build_loaders(train_set, val_set, micro_batch, args, rank, world_size, False)
-    model = DDP(utils.build_model(args.arch, num_classes, args.image_size))
+    loader, _ = script.build_loaders(train_set, val_set, micro_batch, args, rank, world_size, device)
+    model = DDP(script.build_model(args, num_classes))
     all_reduces, optimizer_steps = [], []
 
     def counting_hook(state, bucket):

@@ -61,12 +61,12 @@ def kill_everything_started_by(marker: str) -> None:
 STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
 
 
-def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """Start cmd in the repository root; returns the process and its kill marker."""
+def start(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """Start cmd (in the repository root unless told); returns the process and its kill marker."""
     marker = uuid.uuid4().hex
     STARTED.append(marker)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=full_env, text=True,
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=full_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     return proc, marker
@@ -85,9 +85,9 @@ def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.Co
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run(cmd: list, timeout: float = 180, env: dict | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    result = finish(*start(cmd, env), timeout)
+def run(cmd: list, timeout: float = 180, env: dict | None = None, check: bool = True,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    result = finish(*start(cmd, env, cwd), timeout)
     if check and result.returncode != 0:
         raise RunFailed(f"{' '.join(result.args)} exited {result.returncode}\n"
                     f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import utils  # noqa: E402
+from processes import free_port  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(args, device: torch.device) -> torch.nn.Module:
-    model = utils.build_model(args.arch, 10, args.image_size)
+    model = utils.builtin_model(args.arch, 10, args.image_size)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
@@ -57,7 +58,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     torch.backends.cudnn.benchmark = True
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(utils.free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     model = build(args, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -67,8 +68,12 @@ def main() -> None:
     dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
+    finish = utils.ImageBatchTransform(seed=0, padding=args.image_size // 8)  # crop, flip, normalise
+
     def step() -> None:
-        x = utils.prepare_images(images, device, args.channels_last)
+        x = finish(images, key=(0, 0))
+        if args.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast("cuda", dtype=dtype) if dtype else nullcontext():
             loss = F.cross_entropy(model(x), targets)
         optimizer.zero_grad(set_to_none=True)

@@ -1,4 +1,5 @@
-"""The batched augmentation against torchvision's per-image transforms, in process."""
+"""The built-in images' batched augmentation, in process: equal to torchvision's per-image
+transforms, and drawn per global batch so that every world size sees the same inputs."""
 from __future__ import annotations
 
 import pytest
@@ -29,18 +30,21 @@ def test_batched_crop_and_flip_equal_torchvision_per_image(size, padding):
         assert torch.equal(out[i], expected), f"image {i}: top {top[i]}, left {left[i]}, flip {flip[i]}"
 
 
-def test_each_image_gets_its_own_augmentation_from_seed_epoch_and_index():
-    data = utils.fake_images(64, 16, "train")
-    augmented = utils.AugmentedBatches(data, seed=3, padding=2)
-    alone = augmented.__getitems__([(5, 0)])[0][0]
-    in_a_batch = augmented.__getitems__([(9, 0), (5, 0), (1, 0)])[0][1]
-    assert torch.equal(alone, in_a_batch)  # not the batch, rank or worker: only (seed, epoch, index)
-    assert torch.equal(utils.AugmentedBatches(data, 3, 2).__getitems__([(5, 0)])[0][0], alone)
-    every = list(range(64))
-    epoch0 = augmented.__getitems__([(i, 0) for i in every])[0]
-    epoch1 = augmented.__getitems__([(i, 1) for i in every])[0]
-    other_seed = utils.AugmentedBatches(data, 4, 2).__getitems__([(i, 0) for i in every])[0]
-    raw = data.__getitems__(every)[0]
+def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch):
+    """Rank r of W holds images r, r+W, ... of a global batch (DistributedSampler's order) and must
+    crop and flip each as one process holding the whole batch does."""
+    images = utils.fake_images(64, 16, "train").tensors[0]
+    transform = utils.ImageBatchTransform(seed=3, padding=2)
+    whole = transform(images, key=(0, 5))
+    for rank in range(4):
+        monkeypatch.setattr(utils, "rank_and_world_size", lambda: (rank, 4))
+        assert torch.equal(transform(images[rank::4], key=(0, 5)), whole[rank::4])
+    monkeypatch.undo()
+    raw = transform(images)  # no key (validation): normalised only
     changed = lambda a, b: sum(not torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
     # 25 offsets x 2 flips: about 2% of images stay as they were
-    assert changed(epoch0, raw) > 50 and changed(epoch0, epoch1) > 50 and changed(epoch0, other_seed) > 50
+    assert changed(whole, raw) > 50
+    assert changed(whole, transform(images, key=(1, 5))) > 50  # another epoch
+    assert changed(whole, transform(images, key=(0, 6))) > 50  # another step
+    assert changed(whole, utils.ImageBatchTransform(4, 2)(images, key=(0, 5))) > 50  # another seed
+    assert torch.equal(whole, utils.ImageBatchTransform(3, 2)(images, key=(0, 5)))  # and nothing else

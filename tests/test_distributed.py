@@ -1,6 +1,7 @@
 """distributed.py: the equivalences that make DDP trustworthy, launch modes, errors."""
 from __future__ import annotations
 
+import argparse
 import socket
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+import distributed
 import utils
 
 from processes import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
@@ -66,14 +68,19 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
                  "--image-size", "16", "--batch-size", "32", "--epochs", "1", "--workers", "0",
                  "--output-dir", out))
     logged = metrics(out)[-1]
-    model = utils.build_model("resnet18", 10, 16)
+    model = utils.builtin_model("resnet18", 10, 16)
     model.load_state_dict(weights(out))
-    val_set = utils.fake_images(210 // utils.FAKE_VAL_FRACTION, 16, "val")
-    loader = DataLoader(val_set, 64, collate_fn=utils.already_batched)
-    loss, acc, images = utils.evaluate(model, loader, torch.device("cpu"))
-    assert images == logged["val_images"] == 42
-    assert loss == pytest.approx(logged["val_loss"], rel=1e-5)
-    assert acc == logged["val_acc"]
+    args = argparse.Namespace(dataset="fake", fake_size=210, image_size=16, seed=0, no_augment=False,
+                              channels_last=False)
+    _, val_set, _ = utils.builtin_datasets(args)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:  # a world of one in this process, as the script has
+        scored = distributed.evaluate(model, DataLoader(val_set, 64), args, torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert scored["val_images"] == logged["val_images"] == 42
+    assert scored["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+    assert scored["val_acc"] == logged["val_acc"]
 
 
 def launch_commands(mode: str, out, tmp_path) -> list[tuple[list, dict]]:
@@ -190,5 +197,4 @@ def test_indivisible_batch_fails_on_every_rank(tmp_path):
     ("gpu-07", "gpu-07"), ("node[01-04]", "node01"), ("node[3,5-7],login1", "node3"),
     ("a1,a2", "a1"), ("rack2-[100-101]", "rack2-100")])
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
-    import utils
     assert utils.slurm_master_addr(nodelist) == first
