@@ -70,7 +70,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     return train_loader, val_loader, shuffle
 
 
-def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
+def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, device) -> dict:
     model.train()
     meter = utils.Meter(device)
     for step, batch in enumerate(meter.timed(loader), 1):
@@ -81,6 +81,7 @@ def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # replicas' gradients are summed onto the first GPU
         optimizer.step()
+        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, logits, targets)
         if step % args.print_freq == 0:
             utils.log_progress(meter, epoch, args.epochs, step, len(loader),
@@ -113,7 +114,7 @@ def main():
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
     log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
-             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}")
+             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, peak lr {args.lr:.4g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
@@ -133,7 +134,7 @@ def main():
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
 
     output_dir = Path(args.output_dir)
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -152,12 +153,11 @@ def main():
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         shuffle.manual_seed(args.seed + epoch)  # a new shuffle each epoch, as DistributedSampler's
-        record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
+        record = train_one_epoch(model, train_loader, optimizer, scheduler, epoch, args, device)
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       peak_mem_mb=utils.peak_memory_mb(device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
-        scheduler.step()
         if rank == 0:
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
             utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),

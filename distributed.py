@@ -104,7 +104,7 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
+def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, device) -> dict:
     model.train()
     meter = utils.Meter(device)
     for step, batch in enumerate(meter.timed(loader), 1):
@@ -115,6 +115,7 @@ def train_one_epoch(model, loader, optimizer, epoch: int, args, device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
         optimizer.step()
+        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, logits, targets)
         if step % args.print_freq == 0:
             utils.log_progress(meter, epoch, args.epochs, step, len(loader),
@@ -147,7 +148,7 @@ def main():
     utils.setup_logging(rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, peak lr {args.lr:.4g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -172,7 +173,7 @@ def main():
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
 
     output_dir = Path(args.output_dir)
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -191,12 +192,11 @@ def main():
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        record = train_one_epoch(model, train_loader, optimizer, epoch, args, device)
+        record = train_one_epoch(model, train_loader, optimizer, scheduler, epoch, args, device)
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       peak_mem_mb=utils.peak_memory_mb(device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
-        scheduler.step()
         if rank == 0:  # one writer; the other ranks hold the same weights
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
             utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),

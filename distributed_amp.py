@@ -113,7 +113,7 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, optimizer, scaler, amp_dtype, epoch: int, args, device) -> dict:
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoch: int, args, device) -> dict:
     model.train()
     meter = utils.Meter(device)
     skipped = torch.zeros((), device=device)
@@ -130,6 +130,7 @@ def train_one_epoch(model, loader, optimizer, scaler, amp_dtype, epoch: int, arg
             nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         scale = scaler._scale.clone() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN
+        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         scaler.update()  # halves the scale after a skip, grows it after many good steps
         if scale is not None:
             skipped += scaler._scale < scale  # counted on the device: no host sync per step
@@ -167,7 +168,7 @@ def main():
     utils.setup_logging(rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {batch_per_rank}")
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, peak lr {args.lr:.4g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -192,7 +193,7 @@ def main():
         model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    scheduler = utils.cosine_schedule(optimizer, args.epochs)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
     amp_dtype = getattr(torch, args.amp_dtype or ("float16" if device.type == "cuda" else "bfloat16"))
     scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale,
                                   enabled=amp_dtype == torch.float16)
@@ -215,12 +216,11 @@ def main():
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        record = train_one_epoch(model, train_loader, optimizer, scaler, amp_dtype, epoch, args, device)
+        record = train_one_epoch(model, train_loader, optimizer, scheduler, scaler, amp_dtype, epoch, args, device)
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, amp_dtype, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       peak_mem_mb=utils.peak_memory_mb(device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
-        scheduler.step()
         if rank == 0:  # one writer; the other ranks hold the same weights
             utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
             utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),

@@ -72,7 +72,7 @@ def workload(args) -> list[str]:
     workers = [] if args.workers is None else ["--workers", str(args.workers)]
     return ["--dataset", "fake", "--fake-size", str(args.fake_size), "--image-size", str(args.image_size),
             "--arch", args.arch, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-            "--print-freq", "100000", "--lr", "0.2", *workers]
+            "--print-freq", "100000", *workers]
 
 
 def run_case(case: Case, common: list[str], out: Path) -> list[dict]:

@@ -32,7 +32,8 @@ def main():
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
-    script.train_one_epoch(model, loader, optimizer, 0, args, device)
+    scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
+    script.train_one_epoch(model, loader, optimizer, scheduler, 0, args, device)
     if rank == 0:
         print(json.dumps({"micro_batches": len(loader), "all_reduces": len(all_reduces),
                           "optimizer_steps": len(optimizer_steps)}))

@@ -27,7 +27,7 @@ class RunFailed(AssertionError):
 # a tiny, fast, exactly reproducible job; its 1035 // 5 = 207 validation images
 # do not split evenly over 2 processes
 TINY = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "1035", "--image-size", "16",
-        "--batch-size", "32", "--epochs", "3", "--lr", "0.1", "--workers", "0",
+        "--batch-size", "32", "--epochs", "3", "--workers", "0",
         "--print-freq", "10", "--timeout", "60"]
 MARKER = "DDP_SCRIPTS_TEST_RUN"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import socket
 
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.data import DataLoader
 import distributed
 import utils
 
-from processes import (PYTHON, TINY, free_port, max_weight_difference, metrics, python, run,
+from processes import (PYTHON, ROOT, TINY, free_port, max_weight_difference, metrics, python, run,
                       run_parallel, torchrun, weights)
 
 
@@ -37,12 +38,38 @@ def test_fake_data_is_learnable(reference):
     assert final["train_loss"] < metrics(reference["two"])[0]["train_loss"]
 
 
-def test_augmented_runs_also_match_across_world_sizes(tmp_path):
-    """Each image's random crop depends on (seed, epoch, index) only, not on the rank."""
-    args = [*TINY, "--epochs", "1"]
-    run(python("distributed.py", *args, "--output-dir", tmp_path / "one"))
-    run(torchrun(2, "distributed.py", *args, "--output-dir", tmp_path / "two"))
+def test_default_recipe_with_augmentation_learns_alike_on_1_and_2_processes(tmp_path):
+    """No --lr: 0.1 x batch / 256, a warm-up and a cosine decay per step. With augmentation too,
+    a global batch's crops and flips come from (seed, epoch, step), so 1 and 2 processes train one model."""
+    run(python("distributed.py", *TINY, "--output-dir", tmp_path / "one"))
+    two = run(torchrun(2, "distributed.py", *TINY, "--output-dir", tmp_path / "two"))
+    assert "peak lr 0.0125" in two.stdout  # 0.1 x 32 / 256
+    one, two = metrics(tmp_path / "one")[-1], metrics(tmp_path / "two")[-1]
+    assert one["val_acc"] > 0.9 and two["val_acc"] > 0.9 and abs(one["val_acc"] - two["val_acc"]) <= 0.02
     assert max_weight_difference(tmp_path / "one", tmp_path / "two") <= 1e-5
+
+
+def test_four_times_the_batch_without_lr_still_learns(tmp_path):
+    result = run(torchrun(2, "distributed.py", *TINY, "--batch-size", "128", "--output-dir", tmp_path))
+    assert "peak lr 0.05" in result.stdout  # the rate follows the batch
+    assert metrics(tmp_path)[-1]["val_acc"] > 0.9
+
+
+def readme_main_job(output_dir) -> list:
+    """The README's first command, without its install step, writing to output_dir."""
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                if "pip install" in line and "torchrun" in line)
+    words = shlex.split(line.split("&&", 1)[1])
+    assert words[0] == "torchrun" and words[words.index("--output-dir") + 1] == "output"
+    words[words.index("--output-dir") + 1] = str(output_dir)
+    return [PYTHON, "-m", "torch.distributed.run", *words[1:]]
+
+
+def test_the_readme_main_job_learns(tmp_path):
+    result = run(readme_main_job(tmp_path), timeout=300)
+    assert "world size 2" in result.stdout
+    final = metrics(tmp_path)[-1]
+    assert final["val_acc"] >= 0.9, final  # ten classes: chance is 0.1
 
 
 def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
@@ -124,7 +151,7 @@ def test_image_folder_counts_every_validation_image(tmp_path):
                  "--arch", "tiny", "--image-size", "16", "--batch-size", "8", "--epochs", "1",
                  "--workers", "1", "--output-dir", out))
     assert metrics(out)[0]["val_images"] == 15  # 3 classes x 5: an odd count over 2 ranks
-    assert weights(out)["8.weight"].shape == (3, 64)  # the head has one output per class folder
+    assert weights(out)["11.weight"].shape == (3, 64 * 16)  # the head has one output per class folder
 
 
 def occupied_port():
