@@ -70,10 +70,12 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     return train_loader, val_loader, shuffle
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, device) -> dict:
+def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
+                    stop, save) -> dict:
     model.train()
     meter = utils.Meter(device)
-    for step, batch in enumerate(meter.timed(loader), 1):
+    steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
+    for step, batch in enumerate(meter.timed(loader), first_step + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, step))
         logits = model(inputs)
@@ -84,8 +86,13 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, devic
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, logits, targets)
         if step % args.print_freq == 0:
-            utils.log_progress(meter, epoch, args.epochs, step, len(loader),
+            utils.log_progress(meter, epoch, args.epochs, step, steps,
                                optimizer.param_groups[0]["lr"])
+        signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
+        if signum or (args.save_every and step % args.save_every == 0):
+            save(epoch, step)  # this point of the epoch: the same command continues from here
+        if signum:
+            raise utils.Stopped(signum, epoch, step, steps)
     train_loss, train_acc, samples = meter.reduce()
     seconds = meter.elapsed()
     return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
@@ -110,6 +117,11 @@ def main():
     args = parse_args()
     rank, world_size = 0, 1  # one process
     utils.setup_logging(rank)
+    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    output_dir = Path(args.output_dir)
+    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+        if rank == 0:
+            utils.check_output_dir(output_dir)
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
@@ -125,7 +137,7 @@ def main():
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
     sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
-    flops_per_sample = utils.train_flops_per_sample(model, sample[:2])
+    flops_per_sample = utils.train_flops_per_sample(model, sample[:2], train_set, args)
     if args.sync_bn:
         raise UsageError("--sync-bn works with DDP only: use distributed.py")
     if args.compile:
@@ -136,36 +148,44 @@ def main():
                                 weight_decay=args.weight_decay)
     scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
 
-    output_dir = Path(args.output_dir)
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
+
+    def save(epoch: int, step: int, record: dict | None = None) -> None:
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk ends every rank."""
+        with utils.errors_shared_by_all_ranks():
+            if rank == 0:
+                if record:  # first: a crash before the checkpoint is written redoes the epoch
+                    utils.append_metrics(metrics_path, record)
+                utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                                       "scheduler": scheduler.state_dict(),
+                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed},
+                                      checkpoint_path)
+
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch = 0
+    start_epoch, first_step = 0, 0
     if state:
-        utils.restore(state, model, checkpoint_path, args.arch,
-                      optimizer=optimizer, scheduler=scheduler)
-        start_epoch = state["epoch"]
-        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        utils.start_metrics(metrics_path, start_epoch)
+        utils.restore(state, model, checkpoint_path, args.arch, optimizer=optimizer, scheduler=scheduler)
+        start_epoch, first_step = state["epoch"], state.get("step", 0)
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done"
+                 + (f" and {first_step} steps of the next" if first_step else ""))
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0:
+            utils.start_metrics(metrics_path, start_epoch)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         shuffle.manual_seed(args.seed + epoch)  # a new shuffle each epoch, as DistributedSampler's
-        record = train_one_epoch(model, train_loader, optimizer, scheduler, epoch, args, device)
+        # continued mid-epoch: the same order, without the batches already trained on
+        loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
+        record = train_one_epoch(model, loader, optimizer, scheduler, epoch, first_step, args, device, stop, save)
+        first_step = 0
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       peak_mem_mb=utils.peak_memory_mb(device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
-        if rank == 0:
-            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
-            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
-                                   "optimizer": optimizer.state_dict(),
-                                   "scheduler": scheduler.state_dict(),
-                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
-                                  checkpoint_path)
-            utils.log_epoch(record, args.epochs)
+        save(epoch + 1, 0, record)
+        utils.log_epoch(record, args.epochs)
 
 
 if __name__ == "__main__":

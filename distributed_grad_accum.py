@@ -113,12 +113,13 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, device) -> dict:
+def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
+                    stop, save) -> dict:
     model.train()
     meter = utils.Meter(device)
     k = args.accum_steps
-    steps = len(loader) // k  # leftover micro-batches would make a smaller step: skip them
-    for micro_step, batch in enumerate(islice(meter.timed(loader), steps * k), 1):
+    steps = first_step + len(loader) // k  # leftover micro-batches would make a smaller step: skip them
+    for micro_step, batch in enumerate(islice(meter.timed(loader), (steps - first_step) * k), first_step * k + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, micro_step))
         last = micro_step % k == 0
@@ -137,6 +138,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, args, devic
         if step % args.print_freq == 0:
             utils.log_progress(meter, epoch, args.epochs, step, steps,
                                optimizer.param_groups[0]["lr"])
+        signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
+        if signum or (args.save_every and step % args.save_every == 0):
+            save(epoch, step)  # this point of the epoch: the same command continues from here
+        if signum:
+            raise utils.Stopped(signum, epoch, step, steps)
     train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
     seconds = meter.elapsed()
     return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
@@ -163,6 +169,11 @@ def main():
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
     utils.setup_logging(rank)
+    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    output_dir = Path(args.output_dir)
+    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+        if rank == 0:
+            utils.check_output_dir(output_dir)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size * args.accum_steps,
                                             f"{world_size} processes x {args.accum_steps} micro-batches")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
@@ -178,7 +189,7 @@ def main():
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
     sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
-    flops_per_sample = utils.train_flops_per_sample(model, sample[:2])
+    flops_per_sample = utils.train_flops_per_sample(model, sample[:2], train_set, args)
     if args.sync_bn:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
@@ -193,36 +204,44 @@ def main():
                                 weight_decay=args.weight_decay)
     scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader) // args.accum_steps, args.warmup)
 
-    output_dir = Path(args.output_dir)
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
+
+    def save(epoch: int, step: int, record: dict | None = None) -> None:
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk ends every rank."""
+        with utils.errors_shared_by_all_ranks():
+            if rank == 0:  # one writer; the other ranks hold the same weights
+                if record:  # first: a crash before the checkpoint is written redoes the epoch
+                    utils.append_metrics(metrics_path, record)
+                utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                                       "scheduler": scheduler.state_dict(),
+                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed},
+                                      checkpoint_path)
+
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch = 0
+    start_epoch, first_step = 0, 0
     if state:
-        utils.restore(state, model, checkpoint_path, args.arch,
-                      optimizer=optimizer, scheduler=scheduler)
-        start_epoch = state["epoch"]
-        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done")
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        utils.start_metrics(metrics_path, start_epoch)
+        utils.restore(state, model, checkpoint_path, args.arch, optimizer=optimizer, scheduler=scheduler)
+        start_epoch, first_step = state["epoch"], state.get("step", 0)
+        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done"
+                 + (f" and {first_step} steps of the next" if first_step else ""))
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0:
+            utils.start_metrics(metrics_path, start_epoch)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
-        record = train_one_epoch(model, train_loader, optimizer, scheduler, epoch, args, device)
+        # continued mid-epoch: the same order, without the batches already trained on
+        loader = utils.skip_batches(train_loader, first_step * args.accum_steps) if first_step else train_loader
+        record = train_one_epoch(model, loader, optimizer, scheduler, epoch, first_step, args, device, stop, save)
+        first_step = 0
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       peak_mem_mb=utils.peak_memory_mb(device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
-        if rank == 0:  # one writer; the other ranks hold the same weights
-            utils.append_metrics(metrics_path, record)  # first: a crash before the save redoes the epoch
-            utils.save_checkpoint({"model": utils.unwrap(model).state_dict(),
-                                   "optimizer": optimizer.state_dict(),
-                                   "scheduler": scheduler.state_dict(),
-                                   "epoch": epoch + 1, "arch": args.arch, "seed": args.seed},
-                                  checkpoint_path)
-            utils.log_epoch(record, args.epochs)
+        save(epoch + 1, 0, record)
+        utils.log_epoch(record, args.epochs)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

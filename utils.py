@@ -4,7 +4,8 @@ files, and the built-in data and models behind the scripts' build_datasets() and
 The DDP recipe itself (samplers, loaders, wrap, step, evaluation, teardown) is in each script."""
 from __future__ import annotations
 
-import argparse, contextlib, errno, inspect, json, logging, math, os, re, resource, socket, sys, time, uuid
+import argparse, contextlib, errno, inspect, io, json, logging, math, os, re, resource, signal, socket, sys, tempfile
+import time, uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 import torch.utils.flop_counter
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 log = logging.getLogger("train")
 
@@ -83,12 +84,13 @@ def build_parser(description: str) -> ArgumentParser:
     add("--channels-last", action="store_true", help="NHWC model and images (faster on Tensor Cores)")
     add("--compile", action="store_true", help="compile the model with torch.compile")
     add("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
+    add("--save-every", type=int, default=None, metavar="N", help="also save a checkpoint every N optimizer steps")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Catch impossible values before any process group or data is touched; fill machine defaults."""
-    for name in ("epochs", "batch_size", "fake_size", "image_size", "print_freq", "stop_after"):
+    for name in ("epochs", "batch_size", "fake_size", "image_size", "print_freq", "stop_after", "save_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers or 0) < 0 or args.timeout <= 0 or args.seed < 0 or not 0 <= args.warmup < 1:
@@ -120,10 +122,22 @@ def failure_message(error: BaseException) -> str | None:
     return None
 
 
+class Stopped(Exception):
+    """Stopped by a signal after a step all ranks agreed on, and saved there."""
+
+    def __init__(self, signum: int, epoch: int, step: int, steps: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}/{steps} of epoch {epoch + 1}, "
+                         f"saved: the same command continues from there")
+        self.signum = signum
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Run main(); turn user errors into one line and a non-zero exit; always tear down."""
     try:
         main()
+    except Stopped as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)  # as a shell reports a process ended by that signal
     except (Exception, KeyboardInterrupt) as e:
         message = failure_message(e)
         if message is None:
@@ -292,18 +306,16 @@ def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
 
 
 def cifar(args) -> tuple[ImageTensors, ImageTensors]:
-    """CIFAR-10 or -100, downloaded by one process per machine while the others wait."""
+    """CIFAR-10 or -100, downloaded by one process per machine while the others wait; all fail alike."""
     cls = torchvision.datasets.CIFAR10 if args.dataset == "cifar10" else torchvision.datasets.CIFAR100
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not args.no_download:
-        with contextlib.suppress(RuntimeError, OSError):  # reported below, alike on every rank
-            cls(args.data_dir, download=True)  # one archive holds both splits
-    if dist.is_initialized():
-        dist.barrier()
-    try:
-        splits = [cls(args.data_dir, train=train) for train in (True, False)]
-    except (RuntimeError, OSError) as e:
-        how = "--no-download was given" if args.no_download else "the download failed"
-        raise UsageError(f"{args.dataset} not found in {args.data_dir} and {how} ({first_line(e)})") from None
+    with errors_shared_by_all_ranks():
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            try:  # one archive holds both splits
+                cls(args.data_dir, download=not args.no_download)
+            except (RuntimeError, OSError) as e:
+                how = "--no-download was given" if args.no_download else "the download failed"
+                raise UsageError(f"{args.dataset} not found in {args.data_dir} and {how} ({first_line(e)})") from None
+    splits = (cls(args.data_dir, train=train) for train in (True, False))
     return tuple(ImageTensors(d.data, d.targets, d.classes) for d in splits)
 
 
@@ -368,18 +380,39 @@ def tiny_net(num_classes: int) -> nn.Sequential:
 
 
 def builtin_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """tiny, or any torchvision classifier; ResNets get a 3x3 stem and no max-pool for small images."""
+    """tiny, or any torchvision classifier; a clear line for one that cannot be built for image_size."""
     if arch == "tiny":
         return tiny_net(num_classes)
     if arch not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18, vit_b_16")
+    try:
+        return torchvision_model(arch, num_classes, image_size)
+    except (AssertionError, ValueError, RuntimeError) as e:  # vit_b_16 at 40 px: "indivisible by patch size"
+        raise UsageError(cannot_take(arch, image_size, e)) from None
+
+
+def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    """Without auxiliary heads (googlenet, inception_v3), whose extra outputs training cannot use;
+    ResNets get a 3x3 stem and no max-pool for small images."""
     extra = {"image_size": image_size} if arch.startswith("vit_") else {}
+    if arch in ("googlenet", "inception_v3"):
+        extra.update(aux_logits=False, init_weights=True)
     model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
     if image_size <= 64 and isinstance(model, torchvision.models.ResNet):
         # the ImageNet stem would shrink 32x32 inputs to 8x8 before the first block
         model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+def cannot_take(arch: str, image_size: int, error: Exception) -> str:
+    """The line for a model that cannot take image_size, naming the smallest multiple of 8 that works."""
+    line = f"--arch {arch} cannot take {image_size}x{image_size} images ({first_line(error)})"
+    for size in range(image_size // 8 * 8 + 8, 520, 8):
+        with contextlib.suppress(Exception), torch.no_grad():
+            torchvision_model(arch, 2, size).eval()(torch.zeros(1, 3, size, size))
+            return f"{line}: use --image-size {size} or another --arch"
+    return f"{line}: use another --arch"
 
 
 # ------------------------------------------------------------- metering ----
@@ -433,11 +466,18 @@ def log_epoch(record: dict, epochs: int) -> None:
              f"{record['images_per_s']:.0f} img/s")
 
 
-def train_flops_per_sample(model: nn.Module, inputs: torch.Tensor) -> float:
-    """FLOPs of one sample's forward and backward pass on a real batch, in eval mode (batch-norm stats kept)."""
+def train_flops_per_sample(model: nn.Module, inputs: torch.Tensor, dataset: Dataset, args) -> float:
+    """FLOPs of one sample's forward and backward pass on a real batch, in eval mode (batch-norm stats kept).
+    A model that cannot take the inputs ends here, before training, with one line."""
     model.eval()
     with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
-        model(inputs).float().sum().backward()
+        try:
+            model(inputs).float().sum().backward()
+        except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
+            if hasattr(dataset, "batch_transform"):  # built-in images and models: name a size that works
+                raise UsageError(cannot_take(args.arch, args.image_size, e)) from None
+            raise UsageError(f"the model cannot take inputs of shape {tuple(inputs.shape[1:])}: "
+                             f"{first_line(e)}") from None
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops() / len(inputs)
 
@@ -458,33 +498,88 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float) -
                                              0.5 * (1 + math.cos(math.pi * (step - rise) / max(1, steps - rise))))
 
 
+class StopSignal:
+    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once."""
+
+    def __init__(self):
+        self.signal = 0
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, lambda received, frame: setattr(self, "signal", received))
+        gpus = dist.is_initialized() and dist.get_backend() != "gloo"  # then check on the CPU: no GPU sync
+        self.group = dist.new_group(backend="gloo") if gpus else None
+
+    def agreed(self) -> int:
+        """The signal that any rank received, or 0: a signal reaches ranks at different moments (or only some),
+    and all must stop after the same step. A collective: every rank calls it after every step."""
+        flag = torch.tensor(self.signal)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+
+@contextlib.contextmanager
+def errors_shared_by_all_ranks():
+    """Run a block in which a rank reads or writes files: its OSError (a full disk, a bad path) or UsageError
+    ends every rank with the same line, instead of leaving the others waiting at their next collective."""
+    error = ""
+    try:
+        yield
+    except UsageError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"cannot write {e.filename}: {e.strerror or e}: free space or use another --output-dir"
+    errors = [error] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if len(errors) > 1:
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+
+
+def check_output_dir(path: Path) -> None:
+    """Create the output directory and prove that it takes a file, before any data or model is built."""
+    path.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=path).close()
+
+
 def save_checkpoint(state: dict, path: Path) -> None:
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
+    """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint and no temporary file."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory first: torch.save reports a failed file write as a C++ error
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
+    """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
+    indices = list(loader.sampler)[batches * loader.batch_size:]
+    return DataLoader(loader.dataset, loader.batch_size, sampler=indices, drop_last=loader.drop_last,
+                      num_workers=loader.num_workers, pin_memory=loader.pin_memory)
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
     """The checkpoint at path or None; rank 0 reads it and sends it to all (no shared file system needed)."""
-    state, error = None, ""
-    if rank == 0 and path.exists():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling errors have many types
-            error = f"{path} is not a readable checkpoint ({first_line(e)}): delete it or use another --output-dir"
-        if not error and not (isinstance(state, dict) and {"model", "optimizer", "epoch"} <= state.keys()):
-            error = f"{path} is not a checkpoint of these scripts: delete it or use another --output-dir"
+    state = None
+    with errors_shared_by_all_ranks():
+        if rank == 0 and path.exists():
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # unpickling errors have many types
+                raise UsageError(f"{path} is not a readable checkpoint ({first_line(e)}): delete it or use "
+                                 f"another --output-dir") from None
+            if not (isinstance(state, dict) and {"model", "optimizer", "epoch"} <= state.keys()):
+                raise UsageError(f"{path} is not a checkpoint of these scripts: delete it or use another --output-dir")
+    box = [state]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [state, error]
         dist.broadcast_object_list(box, src=0)
-        state, error = box
-    if error:
-        raise UsageError(error)
-    return state
+    return box[0]
 
 
 def restore(state: dict, model: nn.Module, path: Path, arch: str, **stateful) -> None:

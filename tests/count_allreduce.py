@@ -33,7 +33,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
     scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
-    script.train_one_epoch(model, loader, optimizer, scheduler, 0, args, device)
+    script.train_one_epoch(model, loader, optimizer, scheduler, 0, 0, args, device, utils.StopSignal(), None)
     if rank == 0:
         print(json.dumps({"micro_batches": len(loader), "all_reduces": len(all_reduces),
                           "optimizer_steps": len(optimizer_steps)}))

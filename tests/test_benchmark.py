@@ -3,7 +3,7 @@ from processes import PYTHON, run
 
 
 def test_quick_benchmark_prints_the_table_and_ratios():
-    result = run([PYTHON, "tests/benchmark.py", "--quick", "--repeats", "1", "--fake-size", "1024"],
+    result = run([PYTHON, "tests/benchmark.py", "--quick", "--repeats", "1", "--fake-size", "512", "--epochs", "2"],
                  timeout=600)
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith("| ") and "---" not in line]

@@ -1,0 +1,163 @@
+"""Nothing lost: a preempted run (SIGTERM, SIGUSR1) saves where every rank stopped and the same
+command continues exactly; a full disk or an unusable output directory ends every rank with one
+line and loses nothing; a model that cannot take the images says what to change before training."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from processes import (TINY, finish, free_port, max_weight_difference, metrics, python, run, run_parallel, start,
+                       torchrun, wait_for)
+
+# with augmentation and the default recipe; epochs of about 2 s on 2 cores, to signal in the middle of one
+LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "1000"]
+
+
+def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
+    """Two ranks started by hand, as srun starts Slurm tasks: each gets its own signal."""
+    return [(python("distributed.py", *LONG, "--ip", "127.0.0.1", "--port", port, "--output-dir", out),
+             {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+
+
+def saved_position(out: Path) -> tuple[int, int]:
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    return state["epoch"], state["step"]
+
+
+def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path):
+    run_parallel(by_hand(tmp_path / "straight", free_port()))
+    out = tmp_path / "preempted"
+    ranks = [start(cmd, env) for cmd, env in by_hand(out, free_port())]
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    time.sleep(0.5)  # into epoch 2
+    assert all(proc.poll() is None for proc, _ in ranks), "finished before the signal: make the epochs longer"
+    ranks[1][0].send_signal(signal.SIGTERM)  # one rank only: the other must stop at the same step
+    signalled = time.monotonic()
+    results = [finish(proc, marker, timeout=60) for proc, marker in ranks]
+    seconds = time.monotonic() - signalled
+    epoch, step = saved_position(out)
+    assert epoch == 1 and 0 < step < 250, (epoch, step)
+    for result in results:
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"stopped by SIGTERM after step {step}/250 of epoch 2, saved: the same command continues from there")
+        assert "Traceback" not in result.stderr
+    print(f"SIGTERM to rank 1: both ranks stopped after step {step}/250 of epoch 2, exited {seconds:.1f} s later")
+    assert seconds < 25  # Slurm's grace before SIGKILL is 30 s
+
+    second = run_parallel(by_hand(out, free_port()))
+    assert f"1 of 2 epochs done and {step} steps of the next" in second[0].stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
+    difference = max_weight_difference(out, tmp_path / "straight")
+    print(f"continued run vs straight run: max weight difference {difference:.1e}")
+    assert difference <= 1e-6
+
+
+@pytest.mark.parametrize("script, extra", [
+    ("distributed_mp.py", ["--nproc", "2"]),  # the parent passes the signal on to its children
+    ("distributed_amp.py", ["--amp-dtype", "bfloat16"]),
+    ("distributed_grad_accum.py", ["--accum-steps", "2"]),
+    ("dataparallel.py", []),
+])
+def test_sigusr1_stops_every_script_at_a_saved_step(script, extra, tmp_path):
+    out = tmp_path / "out"
+    proc, marker = start(python(script, *LONG, "--fake-size", "4000", *extra, "--output-dir", out))
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    time.sleep(0.3)
+    assert proc.poll() is None, "finished before the signal: make the epochs longer"
+    proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal=USR1@SECONDS sends before the time limit
+    result = finish(proc, marker, timeout=60)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr
+    epoch, step = saved_position(out)
+    assert epoch == 1 and step > 0
+    assert result.stderr.strip().splitlines()[-1].startswith(f"stopped by SIGUSR1 after step {step}/")
+    assert "Traceback" not in result.stderr
+
+
+def test_save_every_bounds_what_a_sigkill_loses(tmp_path):
+    proc, marker = start(python("distributed.py", *LONG, "--fake-size", "4000", "--save-every", "20",
+                                "--output-dir", tmp_path))
+    wait_for(lambda: (tmp_path / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    proc.kill()  # no chance to save: what --save-every wrote is what is left
+    finish(proc, marker, timeout=60)
+    epoch, step = saved_position(tmp_path)
+    assert epoch == 0 and step % 20 == 0 and step > 0  # at most 19 steps lost
+    second = run(python("distributed.py", *LONG, "--fake-size", "4000", "--output-dir", tmp_path))
+    assert f"0 of 2 epochs done and {step} steps of the next" in second.stdout
+    assert [m["epoch"] for m in metrics(tmp_path)] == [1, 2]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB file system of its own (tmpfs), so that it can be filled up."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mount_point],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", mount_point], capture_output=True, timeout=30)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that takes all the free space of disk but `leave` bytes."""
+    stats = os.statvfs(disk)
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * max(0, stats.f_bavail * stats.f_frsize - leave))
+    return filler
+
+
+def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk, reference):
+    args = [*TINY, "--no-augment"]  # the reference job
+    out = small_disk / "run"
+    run(torchrun(2, "distributed.py", *args, "--stop-after", "1", "--output-dir", out))
+    filler = fill(small_disk, leave=16 * 1024)  # the metrics line fits, the checkpoint does not
+    full = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
+    line = (f"error: cannot write {out / 'checkpoint.pt'}: No space left on device: free space or use "
+            f"another --output-dir")
+    assert full.returncode != 0 and full.stderr.count(line) == 2, full.stderr  # one line from each rank
+    assert "distributed.py\", line" not in full.stderr and "enforce fail" not in full.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl"]  # no temporary file
+    assert saved_position(out) == (1, 0)  # the previous checkpoint, whole
+
+    filler.unlink()
+    run(torchrun(2, "distributed.py", *args, "--output-dir", out))
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert max_weight_difference(out, reference["two"]) <= 1e-6
+
+
+def test_an_output_path_under_a_file_fails_at_once_on_every_rank(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    out = tmp_path / "a-file" / "out"
+    result = run(torchrun(2, "distributed.py", *TINY, "--output-dir", out), timeout=60, check=False)
+    line = f"error: cannot write {out}: Not a directory: free space or use another --output-dir"
+    assert result.returncode != 0 and result.stderr.count(line) == 2, result.stderr
+    assert "world size" not in result.stdout  # before any data or model was built
+
+
+@pytest.mark.parametrize("arch, size, works", [("inception_v3", 32, 80), ("vit_b_16", 40, 48), ("alexnet", 32, 64)])
+def test_a_model_that_cannot_take_the_image_size_says_which_size_works(arch, size, works, tmp_path):
+    result = run(python("distributed.py", *TINY, "--arch", arch, "--image-size", str(size), "--fake-size", "64",
+                        "--output-dir", tmp_path), timeout=120, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --arch {arch} cannot take {size}x{size} images (")
+    assert last.endswith(f"use --image-size {works} or another --arch"), last
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_models_with_auxiliary_outputs_train(tmp_path):
+    run(python("distributed.py", *TINY, "--arch", "googlenet", "--image-size", "32", "--fake-size", "64",
+               "--batch-size", "16", "--epochs", "1", "--output-dir", tmp_path), timeout=120)
+    assert metrics(tmp_path)[-1]["val_images"] == 12
