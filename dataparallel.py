@@ -141,7 +141,7 @@ def main():
     if args.sync_bn:
         raise UsageError("--sync-bn works with DDP only: use distributed.py")
     if args.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=args.compile_mode)
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

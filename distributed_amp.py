@@ -202,7 +202,7 @@ def main():
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True, **utils.no_buffer_sync_per_forward())
     if args.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)

@@ -83,6 +83,8 @@ def build_parser(description: str) -> ArgumentParser:
     add("--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs")
     add("--channels-last", action="store_true", help="NHWC model and images (faster on Tensor Cores)")
     add("--compile", action="store_true", help="compile the model with torch.compile")
+    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], help="implies --compile; "
+        "reduce-overhead replays each step as CUDA graphs on GPUs")
     add("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
     add("--save-every", type=int, default=None, metavar="N", help="also save a checkpoint every N optimizer steps")
     return p
@@ -95,6 +97,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers or 0) < 0 or args.timeout <= 0 or args.seed < 0 or not 0 <= args.warmup < 1:
         raise UsageError("--workers and --seed must be >= 0, --timeout > 0 and --warmup in [0, 1)")
+    args.compile = args.compile or args.compile_mode is not None
     if args.lr is None:  # the linear scaling rule (Goyal et al. 2017): 0.1 per 256 images of global batch
         args.lr = 0.1 * args.batch_size / 256
     if args.workers is None:  # the cores each GPU can spare, one kept for the training loop itself

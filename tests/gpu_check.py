@@ -1,5 +1,5 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler,
-SyncBatchNorm, channels_last, torch.compile), for a machine with a GPU. CI has
+SyncBatchNorm, channels_last, torch.compile, CUDA graphs), for a machine with a GPU. CI has
 none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails."""
 from __future__ import annotations
@@ -67,6 +67,16 @@ def main() -> None:
     keys = list(weights(tmp / "compiled"))
     clean = not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
     check("channels_last + compile checkpoint has plain keys", clean, f"first key {keys[0]}")
+    graphs = [*exact, "--compile-mode", "reduce-overhead"]  # the step replayed as CUDA graphs
+    run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs"), timeout=900)
+    keys = list(weights(tmp / "graphs"))
+    d = max_weight_difference(tmp / "graphs", tmp / "ddp")
+    check("CUDA graphs (reduce-overhead) == eager, plain keys", d <= 1e-4 and not keys[0].startswith("_orig_mod."),
+          f"max weight difference {d:.2e}, first key {keys[0]}")
+    run(python("distributed.py", *graphs, "--stop-after", "1", "--output-dir", tmp / "graphs-resumed"), timeout=900)
+    run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs-resumed"), timeout=900)
+    d = max_weight_difference(tmp / "graphs-resumed", tmp / "graphs")
+    check("CUDA graphs: continued run == uninterrupted", d <= 1e-6, f"max weight difference {d:.2e}")
     print(f"{len(failures)} failed" if failures else "all GPU checks passed")
     sys.exit(1 if failures else 0)
 

