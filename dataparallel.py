@@ -61,8 +61,9 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # one process loads the whole batch; DataParallel splits it over the GPUs. A seeded generator
     # gives the same shuffle as the DDP scripts' DistributedSampler at world size 1
     shuffle = torch.Generator()
+    # its own generator for worker seeds: the global random stream stays the model's (dropout)
     train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
-                              drop_last=True, **common)
+                              drop_last=True, generator=torch.Generator(), **common)
     val_loader = DataLoader(val_set, args.batch_size, **common)  # every image once, in order
     if len(train_loader) == 0:
         raise UsageError(f"{len(train_set)} training samples make no full batch of {args.batch_size}: "
@@ -159,7 +160,8 @@ def main():
                     utils.append_metrics(metrics_path, record)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(),
-                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed},
+                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed,
+                                       **utils.rng_states()},
                                       checkpoint_path)
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)

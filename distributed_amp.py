@@ -103,7 +103,9 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     # dropped so that every rank takes the same number of steps
     train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
                                        drop_last=True)
-    train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True, **common)
+    # its own generator for worker seeds: the global random stream stays the model's (dropout)
+    train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
+                              generator=torch.Generator(), **common)
     # validation: rank r takes images r, r+W, r+2W, ...: every image exactly once
     # (DistributedSampler would pad the last shard with repeated images)
     val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
@@ -223,7 +225,8 @@ def main():
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(),
                                        "scaler": scaler.state_dict(),
-                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed},
+                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed,
+                                       **utils.rng_states()},
                                       checkpoint_path)
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)

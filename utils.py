@@ -421,8 +421,7 @@ def cannot_take(arch: str, image_size: int, error: Exception) -> str:
 # ------------------------------------------------------------- metering ----
 
 class Meter:
-    """An epoch's sums of loss, correct predictions and samples (on the device, reduced over ranks when read),
-    its wall time, and the part of it spent waiting for data."""
+    """An epoch's sums of loss, correct and samples (on the device; reduced when read), time and data wait."""
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
@@ -512,8 +511,7 @@ class StopSignal:
         self.group = dist.new_group(backend="gloo") if gpus else None
 
     def agreed(self) -> int:
-        """The signal that any rank received, or 0: a signal reaches ranks at different moments (or only some),
-    and all must stop after the same step. A collective: every rank calls it after every step."""
+        """The signal any rank got, or 0, so that all stop after the same step; every rank calls it every step."""
         flag = torch.tensor(self.signal)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -522,8 +520,7 @@ class StopSignal:
 
 @contextlib.contextmanager
 def errors_shared_by_all_ranks():
-    """Run a block in which a rank reads or writes files: its OSError (a full disk, a bad path) or UsageError
-    ends every rank with the same line, instead of leaving the others waiting at their next collective."""
+    """A block that reads or writes files: its OSError (a full disk) or UsageError ends every rank with one line."""
     error = ""
     try:
         yield
@@ -564,7 +561,7 @@ def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
     """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
     indices = list(loader.sampler)[batches * loader.batch_size:]
     return DataLoader(loader.dataset, loader.batch_size, sampler=indices, drop_last=loader.drop_last,
-                      num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+                      num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator)
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
@@ -585,6 +582,12 @@ def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
     return box[0]
 
 
+def rng_states() -> dict:
+    """The global random streams (dropout's; alike on all ranks): a continued run draws what a straight one would."""
+    cuda = {"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    return {"rng": torch.get_rng_state(), **cuda}
+
+
 def restore(state: dict, model: nn.Module, path: Path, arch: str, **stateful) -> None:
     """Load weights and every other state (optimizer, scheduler, scaler) from a checkpoint."""
     if state.get("arch", arch) != arch:
@@ -593,6 +596,9 @@ def restore(state: dict, model: nn.Module, path: Path, arch: str, **stateful) ->
         unwrap(model).load_state_dict(state["model"])
         for name, obj in stateful.items():
             obj.load_state_dict(state[name])
+        torch.set_rng_state(state.get("rng", torch.get_rng_state()))
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
     except (RuntimeError, KeyError, ValueError) as e:
         raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): "
                          f"use another --output-dir") from None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import utils
-from processes import PYTHON, ROOT, max_weight_difference, metrics, run, weights
+from processes import PYTHON, ROOT, finish, max_weight_difference, metrics, run, start, wait_for, weights
 
 YOUR_DATA_AND_MODEL = '''
 class Blobs(torch.utils.data.Dataset):
@@ -40,7 +40,7 @@ def build_model(args, num_classes):
 COMMON = ["--batch-size", "32", "--epochs", "3", "--lr", "0.05", "--workers", "0", "--timeout", "60"]
 
 
-def copy_with_your_functions(script: str, directory: Path) -> Path:
+def copy_with_your_functions(script: str, directory: Path, yours: str = YOUR_DATA_AND_MODEL) -> Path:
     """script and utils.py copied into directory, build_datasets and build_model replaced."""
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "utils.py", directory)
@@ -50,7 +50,7 @@ def copy_with_your_functions(script: str, directory: Path) -> Path:
                    if isinstance(node, ast.FunctionDef) and node.name in ("build_datasets", "build_model"))
     assert len(spans) == 2 and spans[0][1] < spans[1][0], f"{script} must define both functions"
     # everything from the first function's def to the second's end becomes the user's code
-    new = lines[:spans[0][0] - 1] + [YOUR_DATA_AND_MODEL.lstrip("\n")] + lines[spans[1][1]:]
+    new = lines[:spans[0][0] - 1] + [yours.lstrip("\n")] + lines[spans[1][1]:]
     (directory / script).write_text("".join(new))
     return directory / script
 
@@ -98,14 +98,23 @@ def test_your_data_and_model_train_in_every_script(case, tmp_path, single_proces
         assert max_weight_difference(out, single_process) <= 1e-5
 
 
-def test_your_run_continues_exactly(tmp_path, single_process):
-    copy = copy_with_your_functions("distributed.py", tmp_path / "copy")
-    out = tmp_path / "out"
-    run(launch(copy, 2, *COMMON, "--stop-after", "1", "--output-dir", out), cwd=tmp_path)
-    second = run(launch(copy, 2, *COMMON, "--output-dir", out), cwd=tmp_path)
-    assert "1 of 3 epochs done" in second.stdout
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-    assert max_weight_difference(out, single_process) <= 1e-5
+def test_your_run_with_dropout_continues_exactly_mid_epoch(tmp_path):
+    """Dropout draws from the global random stream: the checkpoint keeps it, and the loader draws its
+    worker seeds from a generator of its own, so a run killed mid-epoch and continued is exact."""
+    yours = YOUR_DATA_AND_MODEL.replace("Blobs(640", "Blobs(20000").replace("nn.Tanh(),", "nn.Tanh(), nn.Dropout(0.5),")
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", yours)
+    args = [*COMMON, "--save-every", "50"]
+    run([PYTHON, copy, *args, "--output-dir", tmp_path / "straight"], cwd=tmp_path)
+    out = tmp_path / "killed"
+    proc, marker = start([PYTHON, copy, *args, "--output-dir", out], cwd=tmp_path)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    assert proc.poll() is None, "finished before the kill"
+    proc.kill()
+    finish(proc, marker, timeout=60)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state["step"] > 0 and "rng" in state  # killed in the middle of an epoch
+    run([PYTHON, copy, *args, "--output-dir", out], cwd=tmp_path)
+    assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
 
 
 def test_the_built_in_fast_path_leaves_your_inputs_alone():
