@@ -444,14 +444,11 @@ class Meter:
 
     def timed(self, iterable):
         """Yield from iterable, adding the time each item took to arrive to data_wait."""
-        iterator = iter(iterable)
-        while True:
-            t = time.perf_counter()
-            item = next(iterator, None)
+        iterator, t = iter(iterable), time.perf_counter()
+        while (item := next(iterator, None)) is not None:
             self.data_wait += time.perf_counter() - t
-            if item is None:
-                return
             yield item
+            t = time.perf_counter()
 
 
 def log_progress(meter: Meter, epoch: int, epochs: int, step: int, steps: int, lr: float) -> None:
@@ -526,8 +523,9 @@ def errors_shared_by_all_ranks():
         yield
     except UsageError as e:
         error = str(e)
-    except OSError as e:
-        error = f"cannot write {e.filename}: {e.strerror or e}: free space or use another --output-dir"
+    except OSError as e:  # a failed write() names no file: then the directory it was in
+        error = (f"cannot write {e.filename or 'in --output-dir'}: {e.strerror or e}: free space or use "
+                 f"another --output-dir")
     errors = [error] * (dist.get_world_size() if dist.is_initialized() else 1)
     if len(errors) > 1:
         dist.all_gather_object(errors, error)
