@@ -18,17 +18,22 @@ from torch.utils.data import DataLoader, RandomSampler
 from utils import UsageError, log
 
 
-# ---- your data and model: replace these two bodies, nothing else ----
+# ---- your data, model and task: replace these three bodies, nothing else ----
 
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of (input tensor, int label).
-    Inputs of any shape; float inputs are used as they are."""
+    """(train_set, val_set, num_classes): map-style Datasets of (inputs, targets), each a tensor or a
+    tuple, list or dict of tensors (nested); the model gets the inputs as they are."""
     return utils.builtin_datasets(args)  # --dataset: CIFAR, an image folder or fake images
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module that maps a batch of inputs to (batch, num_classes) logits."""
+    """Any nn.Module that takes a batch of inputs; what it returns goes to compute_loss."""
     return utils.builtin_model(args.arch, num_classes, args.image_size)  # --arch: tiny or torchvision
+
+
+def compute_loss(outputs, targets) -> torch.Tensor:
+    """The batch's mean loss, a scalar. Accuracy is logged too where targets are class indices."""
+    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
 
 
 # ---- the approach ----
@@ -79,16 +84,15 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step:
     for step, batch in enumerate(meter.timed(loader), first_step + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, step))
-        logits = model(inputs)
-        loss = F.cross_entropy(logits, targets)
+        outputs = model(inputs)
+        loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # replicas' gradients are summed onto the first GPU
         optimizer.step()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, logits, targets)
-        if step % args.print_freq == 0:
-            utils.log_progress(meter, epoch, args.epochs, step, steps,
-                               optimizer.param_groups[0]["lr"])
+        meter.update(loss, outputs, targets)
+        if step % args.print_freq == 0:  # and a diverged run stops here
+            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
@@ -102,14 +106,14 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step:
 
 @torch.no_grad()
 def evaluate(model, loader, args, device) -> dict:
-    """Loss and accuracy over the whole validation set, each sample counted once."""
+    """Loss (and accuracy) over the whole validation set, each sample counted once."""
     module = utils.unwrap(model)  # one device is enough to score
     module.eval()
     meter = utils.Meter(device)
     for batch in loader:
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        logits = module(inputs)
-        meter.update(F.cross_entropy(logits, targets), logits, targets)
+        outputs = module(inputs)
+        meter.update(compute_loss(outputs, targets), outputs, targets)
     val_loss, val_acc, samples = meter.reduce()
     return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
 
@@ -137,8 +141,10 @@ def main():
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
-    sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
-    flops_per_sample = utils.train_flops_per_sample(model, sample[:2], train_set, args)
+    # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
+    inputs, targets = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
+    flops_per_sample = utils.check_first_step(model, inputs, targets, compute_loss, train_set, args,
+                                              unused_ok=True)  # no DDP reducer to wait for their gradients
     if args.sync_bn:
         raise UsageError("--sync-bn works with DDP only: use distributed.py")
     if args.compile:
@@ -153,9 +159,11 @@ def main():
     metrics_path = output_dir / "metrics.jsonl"
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk ends every rank."""
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
+        diverged, ends every rank."""
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
+                utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     utils.append_metrics(metrics_path, record)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),

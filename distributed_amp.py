@@ -26,17 +26,22 @@ from torch.utils.data import DataLoader, DistributedSampler
 from utils import UsageError, log
 
 
-# ---- your data and model: replace these two bodies, nothing else ----
+# ---- your data, model and task: replace these three bodies, nothing else ----
 
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of (input tensor, int label).
-    Inputs of any shape; float inputs are used as they are."""
+    """(train_set, val_set, num_classes): map-style Datasets of (inputs, targets), each a tensor or a
+    tuple, list or dict of tensors (nested); the model gets the inputs as they are."""
     return utils.builtin_datasets(args)  # --dataset: CIFAR, an image folder or fake images
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module that maps a batch of inputs to (batch, num_classes) logits."""
+    """Any nn.Module that takes a batch of inputs; what it returns goes to compute_loss."""
     return utils.builtin_model(args.arch, num_classes, args.image_size)  # --arch: tiny or torchvision
+
+
+def compute_loss(outputs, targets) -> torch.Tensor:
+    """The batch's mean loss, a scalar. Accuracy is logged too where targets are class indices."""
+    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
 
 
 # ---- the approach ----
@@ -89,8 +94,9 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     timeout = timedelta(seconds=args.timeout)
     try:
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        # device_id binds the group to this GPU: no guessing (and warning) at barrier()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device
@@ -125,8 +131,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoc
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, step))
         with torch.autocast(device.type, dtype=amp_dtype):  # forward and loss only, not backward
-            logits = model(inputs)
-            loss = F.cross_entropy(logits, targets)
+            outputs = model(inputs)
+            loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients here
         if args.clip_grad:
@@ -138,10 +144,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoc
         scaler.update()  # halves the scale after a skip, grows it after many good steps
         if scale is not None:
             skipped += scaler._scale < scale  # counted on the device: no host sync per step
-        meter.update(loss, logits, targets)
-        if step % args.print_freq == 0:
-            utils.log_progress(meter, epoch, args.epochs, step, steps,
-                               optimizer.param_groups[0]["lr"])
+        meter.update(loss, outputs, targets)
+        if step % args.print_freq == 0:  # and a diverged run stops here
+            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
@@ -156,7 +161,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoc
 
 @torch.no_grad()
 def evaluate(model, loader, amp_dtype, args, device) -> dict:
-    """Loss and accuracy over the whole validation set, each sample counted once."""
+    """Loss (and accuracy) over the whole validation set, each sample counted once."""
     module = utils.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
     for buffer in module.buffers():  # rank 0's batch-norm statistics, the checkpoint's, on every rank
         dist.broadcast(buffer, 0)
@@ -164,9 +169,10 @@ def evaluate(model, loader, amp_dtype, args, device) -> dict:
     meter = utils.Meter(device)
     for batch in loader:
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        with torch.autocast(device.type, dtype=amp_dtype):
-            logits = module(inputs)
-        meter.update(F.cross_entropy(logits.float(), targets), logits, targets)
+        with torch.autocast(device.type, dtype=amp_dtype):  # the loss too: autocast keeps it float32
+            outputs = module(inputs)
+            loss = compute_loss(outputs, targets)
+        meter.update(loss, outputs, targets)
     val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
     return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
 
@@ -193,8 +199,10 @@ def main():
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
-    sample, _ = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
-    flops_per_sample = utils.train_flops_per_sample(model, sample[:2], train_set, args)
+    # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
+    inputs, targets = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
+    flops_per_sample = utils.check_first_step(model, inputs, targets, compute_loss, train_set, args,
+                                              unused_ok=args.find_unused_parameters)
     if args.sync_bn:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
@@ -202,7 +210,8 @@ def main():
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, **utils.no_buffer_sync_per_forward())
+                gradient_as_bucket_view=True, find_unused_parameters=args.find_unused_parameters,
+                **utils.no_buffer_sync_per_forward())
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -217,9 +226,11 @@ def main():
     metrics_path = output_dir / "metrics.jsonl"
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk ends every rank."""
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
+        diverged, ends every rank."""
         with utils.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
+                utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     utils.append_metrics(metrics_path, record)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),

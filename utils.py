@@ -1,7 +1,6 @@
-"""Small helpers shared by the five training scripts: what no approach owns. One-line errors
-and the shared flags, rank-0 logging, reductions and meters, rendezvous, checkpoint and metrics
-files, and the built-in data and models behind the scripts' build_datasets() and build_model().
-The DDP recipe itself (samplers, loaders, wrap, step, evaluation, teardown) is in each script."""
+"""Small helpers shared by the five training scripts: what no approach owns (one-line errors, flags, logging,
+meters, rendezvous, checkpoints, checks of a batch, model and loss, the built-in data and models). The DDP
+recipe itself (samplers, loaders, wrap, step, evaluation, teardown) is in each script."""
 from __future__ import annotations
 
 import argparse, contextlib, errno, inspect, io, json, logging, math, os, re, resource, signal, socket, sys, tempfile
@@ -19,8 +18,10 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import torchvision
 import torch.utils.flop_counter
+from torch.utils._pytree import tree_leaves, tree_map_only  # nested tuples, lists and dicts of tensors
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 log = logging.getLogger("train")
@@ -43,8 +44,8 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args([self.kebab_case(a) for a in args], namespace)
+        return super().parse_known_args([self.kebab_case(a) for a in (sys.argv[1:] if args is None else args)],
+                                        namespace)
 
     def kebab_case(self, arg: str) -> str:
         name, equals, value = arg.partition("=")
@@ -87,6 +88,8 @@ def build_parser(description: str) -> ArgumentParser:
         "reduce-overhead replays each step as CUDA graphs on GPUs")
     add("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
     add("--save-every", type=int, default=None, metavar="N", help="also save a checkpoint every N optimizer steps")
+    add("--find-unused-parameters", action="store_true", help="DDP: train models with parameters that get "
+        "no gradient in some steps (an extra pass over the graph every step)")
     return p
 
 
@@ -142,8 +145,7 @@ def run_main(main: Callable[[], None]) -> None:
         print(e, file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)  # as a shell reports a process ended by that signal
     except (Exception, KeyboardInterrupt) as e:
-        message = failure_message(e)
-        if message is None:
+        if (message := failure_message(e)) is None:
             raise
         sys.exit(message)
     finally:
@@ -197,9 +199,8 @@ def rendezvous_store(init_method: str | None, rank: int, world_size: int, timeou
 
 
 def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """A part of store no earlier group of this job wrote to. torchrun keeps its store across worker restarts,
-    so new workers could read dead ones' addresses and hang (PyTorch issue 135712), and its restart count differs
-    between nodes: rank 0 draws a new generation and answers each rank's fresh token; stale ones go unread."""
+    """A part of store no earlier group of this job wrote to: torchrun keeps it across worker restarts, whose count
+    differs between nodes (PyTorch issue 135712). Rank 0 draws a generation and answers each rank's fresh token."""
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         generation, answered = store.add("ddp/generation", 1), set()
@@ -323,10 +324,9 @@ def cifar(args) -> tuple[ImageTensors, ImageTensors]:
 
 
 class ImageBatchTransform:
-    """Finishes a batch of built-in uint8 images on the device: a random crop (zero padding) and flip when
-    padding > 0, then normalised floats; a batch in a few operations, not image by image on the CPU. A global
-    batch's crops and flips come from (seed, epoch, step) alone, and rank r keeps those of its images r, r+W,
-    ... (DistributedSampler's order): 1 and W processes, and a resumed run, see identical inputs."""
+    """Built-in uint8 images, a batch at a time on the device: random crop and flip (padding > 0), then normalised.
+    The draws of a global batch come from (seed, epoch, step), and rank r keeps those of its images r, r+W, ...
+    (DistributedSampler's order): 1 and W processes, and a resumed run, see identical inputs."""
 
     def __init__(self, seed: int, padding: int):
         self.seed, self.padding = seed, padding
@@ -359,33 +359,48 @@ def random_crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor
 
 
 def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
-                    key: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) on the device. A dataset's batch_transform (the built-in images have one) finishes
-    the inputs there, augmented for key = (epoch, step); other datasets' inputs are used as they are."""
-    inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+                    key: tuple[int, int] | None = None):
+    """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
+    inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
     transform = getattr(dataset, "batch_transform", None)
     if transform is not None:
         inputs = transform(inputs, key)
-    if channels_last and inputs.dim() == 4:
+    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
         inputs = inputs.contiguous(memory_format=torch.channels_last)
     return inputs, targets
 
 
+# --------------------------------------------------- any batch, any task ----
+
+def batch_len(data) -> int:
+    """Samples in a batch of any structure: its first tensor's batch dimension."""
+    return len(next(leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)))
+
+
+def class_indices(outputs, targets) -> bool:
+    """Are targets class indices for scores at outputs' dim 1 (classification, per-pixel classification)?"""
+    return (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.is_floating_point()
+            and not (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool)
+            and outputs.dim() == targets.dim() + 1 and outputs.shape[:1] + outputs.shape[2:] == targets.shape)
+
+
+def is_default_loss(compute_loss: Callable) -> bool:
+    """Is compute_loss the scripts' default, F.cross_entropy(outputs, targets), as it is (compiled alike)?"""
+    default = (lambda outputs, targets: F.cross_entropy(outputs, targets)).__code__
+    code = getattr(compute_loss, "__code__", None)
+    return code is not None and (code.co_code, code.co_names) == (default.co_code, default.co_names)
+
+
 # ------------------------------------------------------- built-in models ----
-
-def tiny_net(num_classes: int) -> nn.Sequential:
-    """A small CNN: GroupNorm (no batch statistics), GELU, no max-pool, so world sizes agree to 1e-5."""
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, 1, 1), nn.GroupNorm(8, 16), nn.GELU(),
-        nn.Conv2d(16, 32, 3, 2, 1), nn.GroupNorm(8, 32), nn.GELU(),
-        nn.Conv2d(32, 64, 3, 2, 1), nn.GroupNorm(8, 64), nn.GELU(),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, num_classes))  # 4x4 cells: where, not only what
-
 
 def builtin_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     """tiny, or any torchvision classifier; a clear line for one that cannot be built for image_size."""
-    if arch == "tiny":
-        return tiny_net(num_classes)
+    if arch == "tiny":  # GroupNorm (no batch statistics), GELU, no max-pool: world sizes agree to 1e-5
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, 1, 1), nn.GroupNorm(8, 16), nn.GELU(),
+            nn.Conv2d(16, 32, 3, 2, 1), nn.GroupNorm(8, 32), nn.GELU(),
+            nn.Conv2d(32, 64, 3, 2, 1), nn.GroupNorm(8, 64), nn.GELU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, num_classes))  # 4x4 cells: where, not what
     if arch not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18, vit_b_16")
     try:
@@ -395,8 +410,7 @@ def builtin_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
 
 
 def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """Without auxiliary heads (googlenet, inception_v3), whose extra outputs training cannot use;
-    ResNets get a 3x3 stem and no max-pool for small images."""
+    """No auxiliary heads (googlenet, inception_v3): training uses one output; small images: a ResNet 3x3 stem."""
     extra = {"image_size": image_size} if arch.startswith("vit_") else {}
     if arch in ("googlenet", "inception_v3"):
         extra.update(aux_logits=False, init_weights=True)
@@ -421,64 +435,113 @@ def cannot_take(arch: str, image_size: int, error: Exception) -> str:
 # ------------------------------------------------------------- metering ----
 
 class Meter:
-    """An epoch's sums of loss, correct and samples (on the device; reduced when read), time and data wait."""
+    """An epoch's sums (on the device; reduced when read) of loss x samples, correct and scored class targets,
+    and samples; its time and data wait. Accuracy is scored where targets are class indices, else None."""
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.start, self.data_wait = time.perf_counter(), 0.0
 
-    def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        n, correct = targets.numel(), (logits.argmax(1) == targets).sum()
-        self.sums += torch.stack([loss.detach().double() * n, correct.double(), self.sums.new_full((), n)])
+    def update(self, loss: torch.Tensor, outputs, targets) -> None:
+        n, correct, scored = batch_len(targets), self.sums.new_zeros(()), self.sums.new_zeros(())
+        if class_indices(outputs, targets) and outputs.shape[1] > 1:
+            valid = (targets >= 0) & (targets < outputs.shape[1])  # not a segmentation's "ignore" label
+            correct, scored = ((outputs.argmax(1) == targets) & valid).sum(), valid.sum()
+        self.sums += torch.stack([loss.detach().double() * n, correct.double(), scored.double(),
+                                  self.sums.new_full((), n)])
 
-    def reduce(self) -> tuple[float, float, int]:
-        """(mean loss, accuracy, samples) over all ranks; a collective: call on every rank."""
+    def reduce(self) -> tuple[float, float | None, int]:
+        """(mean loss, accuracy or None, samples) over all ranks; a collective: call on every rank."""
         sums = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(sums)  # a sum over ranks
-        loss_sum, correct, count = sums.tolist()
-        return loss_sum / max(count, 1), correct / max(count, 1), int(count)
+        loss_sum, correct, scored, count = sums.tolist()
+        return loss_sum / max(count, 1), correct / scored if scored else None, int(count)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def timed(self, iterable):
         """Yield from iterable, adding the time each item took to arrive to data_wait."""
-        iterator, t = iter(iterable), time.perf_counter()
-        while (item := next(iterator, None)) is not None:
+        t = time.perf_counter()
+        for item in iterable:
             self.data_wait += time.perf_counter() - t
             yield item
             t = time.perf_counter()
 
 
-def log_progress(meter: Meter, epoch: int, epochs: int, step: int, steps: int, lr: float) -> None:
-    """One progress line on rank 0 (a collective: every rank calls it at the same step)."""
+def log_progress(meter: Meter, epoch: int, step: int, steps: int, lr: float, args) -> None:
+    """One progress line on rank 0 (a collective: every rank calls it at the same step); a diverged run stops."""
     loss, acc, samples = meter.reduce()
+    check_finite(None, epoch, step, {"train_loss": loss}, args)
     seconds = meter.elapsed()
-    log.info(f"epoch {epoch + 1}/{epochs} step {step}/{steps} loss {loss:.4f} acc {acc:.3f} lr {lr:.4g} "
-             f"{samples / seconds:.0f} img/s left {timedelta(seconds=int(seconds / step * (steps - step)))}")
+    log.info(f"epoch {epoch + 1}/{args.epochs} step {step}/{steps} loss {loss:.4f}"
+             + (f" acc {acc:.3f}" if acc is not None else "") + f" lr {lr:.4g} {samples / seconds:.0f} img/s "
+             f"left {timedelta(seconds=int(seconds / step * (steps - step)))}")
 
 
 def log_epoch(record: dict, epochs: int) -> None:
-    losses = " ".join(f"{k} {record[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc"))
-    log.info(f"epoch {record['epoch']}/{epochs} {losses} time {record['epoch_time_s']:.1f}s "
+    metrics = " ".join(f"{k} {record[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc")
+                       if record[k] is not None)
+    log.info(f"epoch {record['epoch']}/{epochs} {metrics} time {record['epoch_time_s']:.1f}s "
              f"{record['images_per_s']:.0f} img/s")
 
 
-def train_flops_per_sample(model: nn.Module, inputs: torch.Tensor, dataset: Dataset, args) -> float:
-    """FLOPs of one sample's forward and backward pass on a real batch, in eval mode (batch-norm stats kept).
-    A model that cannot take the inputs ends here, before training, with one line."""
-    model.eval()
-    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
-        try:
-            model(inputs).float().sum().backward()
-        except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
-            if hasattr(dataset, "batch_transform"):  # built-in images and models: name a size that works
-                raise UsageError(cannot_take(args.arch, args.image_size, e)) from None
-            raise UsageError(f"the model cannot take inputs of shape {tuple(inputs.shape[1:])}: "
-                             f"{first_line(e)}") from None
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / len(inputs)
+def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
+    """A NaN or infinite loss or weight stops every rank, checked where the run reads them anyway: before a progress
+    line (model None) or a save, so that nothing diverged is logged or written over a finite checkpoint."""
+    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
+    if all(map(math.isfinite, losses)) and (model is None or all(p.isfinite().all() for p in model.parameters())):
+        return
+    where = f"by step {step} of epoch {epoch + 1}" if step else f"in epoch {epoch}"
+    clip = ", or use --clip-grad" if hasattr(args, "clip_grad") else ""
+    raise UsageError(f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr (peak "
+                     f"{args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite checkpoints were saved")
+
+
+def check_first_step(model: nn.Module, inputs, targets, compute_loss: Callable, dataset: Dataset, args,
+                     unused_ok: bool) -> float:
+    """A training step's forward and backward pass of a real batch, undone (no optimizer step), before training:
+    what would fail or learn nothing later ends every rank here with one line. Returns the FLOPs per sample."""
+    with errors_shared_by_all_ranks():  # one rank's bad batch ends every rank with its line
+        buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
+        rng_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(rng_devices), torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            try:
+                outputs = model.train()(inputs)
+            except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
+                if hasattr(dataset, "batch_transform"):  # built-in images and models: name a size that works
+                    raise UsageError(cannot_take(args.arch, args.image_size, e)) from None
+                raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
+            if is_default_loss(compute_loss):  # on a GPU a bad label is a device-side assert that kills the process
+                check_class_targets(outputs, targets)
+            loss = compute_loss(outputs, targets)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise UsageError(f"compute_loss must return a scalar tensor, not {what}: reduce it, e.g. with .mean()")
+            loss.backward()
+        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        model.zero_grad(set_to_none=True)
+        for buffer, saved in zip(model.buffers(), buffers):
+            buffer.copy_(saved)
+        if unused and not unused_ok:
+            names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+            raise UsageError(f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP "
+                             f"train such a model, or leave them out of it")
+    return counter.get_total_flops() / batch_len(inputs)
+
+
+def check_class_targets(outputs, targets) -> None:
+    """The first batch's targets that the default loss, cross-entropy over outputs' dim 1, cannot mean."""
+    classes = outputs.shape[1] if isinstance(outputs, torch.Tensor) and outputs.dim() > 1 else 0
+    if classes == 1:
+        raise UsageError("the model gives 1 output per sample, and cross-entropy over one class is always 0: "
+                         "check num_classes, or replace compute_loss (a regression: F.mse_loss)")
+    if classes and isinstance(targets, torch.Tensor) and not targets.is_floating_point():  # class indices
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= classes:
+            raise UsageError(f"class labels from {low} to {high} in the first batch, outside [0, {classes}) for "
+                             f"the model's {classes} outputs: check num_classes, or replace compute_loss")
 
 
 def peak_memory_mb(device: torch.device) -> float:

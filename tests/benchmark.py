@@ -1,13 +1,15 @@
-"""Side-by-side benchmark of the five scripts, read from their own metrics.jsonl.
+"""Side-by-side benchmark of the five scripts and the textbook loop, read from their own metrics.jsonl.
 
-    python tests/benchmark.py --quick     # 2 CPU cores, a few minutes
-    python tests/benchmark.py             # a GPU machine: ResNet-18, CIFAR-shaped fake data
+    python tests/benchmark.py --quick                 # 2 CPU cores, a few minutes
+    python tests/benchmark.py                         # a GPU machine: ResNet-18, CIFAR-shaped fake data
+    python tests/benchmark.py --quick --chart speed.svg   # and a bar chart of images/s
 
 Cases run in turn, round after round (so slow drift of the machine hits all
-of them alike); each run's first epoch is warm-up and the later ones are
-measured. Prints a markdown table, the ratios that show where time goes,
-and a line naming the hardware, the PyTorch version and the command.
-It lives beside the tests because it drives the scripts exactly as they do.
+of them alike); each run's first epoch is warm-up (and compilation), shown
+apart, and the later ones are measured. Prints a markdown table, the ratios
+that show where time goes and what the scripts gain over the textbook loop
+(tests/textbook.py), and a line naming the hardware, the PyTorch version and
+the command. It lives beside the tests because it drives the scripts exactly as they do.
 """
 from __future__ import annotations
 
@@ -18,12 +20,16 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import metrics, python, run, run_parallel, torchrun  # noqa: E402
+
+
+TEXTBOOK = "textbook loop: PIL transforms per image"
 
 
 @dataclass
@@ -44,6 +50,7 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case("no DDP (dataparallel.py on CPU), 1 process", "dataparallel.py", 1, [], "python", one),
             Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
             Case("DDP, 2 processes", "distributed.py", 2),
+            Case(TEXTBOOK, "tests/textbook.py", 2),
             Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
             Case("DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"),
             Case("DDP + AMP bfloat16, 2 processes", "distributed_amp.py", 2, ["--amp-dtype", "bfloat16"]),
@@ -51,8 +58,9 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case("accumulation K=4, all-reduce every micro-batch", "distributed_grad_accum.py", 2,
                  ["--accum-steps", "4", "--sync-every-micro-batch"]),
         ]
-    cl, comp = ["--channels-last"], ["--compile"]
+    cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
     return [
+        Case(TEXTBOOK + ", AMP float16", "tests/textbook.py", n),
         Case(f"DataParallel, {n} GPU", "dataparallel.py", 1, [], "python"),
         Case("DDP fp32", "distributed.py", n),
         Case("DDP fp32 + channels_last", "distributed.py", n, cl),
@@ -64,6 +72,10 @@ def cases(quick: bool, gpus: int) -> list[Case]:
              ["--amp-dtype", "bfloat16", *cl, *comp]),
         Case("DDP + AMP float16 + channels_last + compile", "distributed_amp.py", n,
              ["--amp-dtype", "float16", *cl, *comp]),
+        Case("DDP + AMP bfloat16 + channels_last + CUDA graphs (reduce-overhead)", "distributed_amp.py", n,
+             [*bf16, *cl, "--compile-mode", "reduce-overhead"]),
+        Case("DDP + AMP bfloat16 + channels_last + max-autotune", "distributed_amp.py", n,
+             [*bf16, *cl, "--compile-mode", "max-autotune"]),
         Case("DDP fp32, accumulation K=2", "distributed_grad_accum.py", n, ["--accum-steps", "2"]),
     ]
 
@@ -75,18 +87,18 @@ def workload(args) -> list[str]:
             "--print-freq", "100000", *workers]
 
 
-def run_case(case: Case, common: list[str], out: Path) -> list[dict]:
-    """Run one case; returns the measured epochs (after the first) of every process that wrote metrics."""
+def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
+    """Run one case; returns the epochs of every process that wrote metrics (two for a pair)."""
     flags = [*common, *case.flags]
     if case.launcher == "pair":  # two runs that never communicate, each with half the batch and data
         half = half_workload(flags)
         run_parallel([(python(case.script, *half, "--output-dir", out / str(i)), case.env) for i in (0, 1)],
                      timeout=1800)
-        return [m for i in (0, 1) for m in metrics(out / str(i))[1:]]
+        return [metrics(out / str(i)) for i in (0, 1)]
     cmd = (python(case.script, *flags, "--output-dir", out) if case.launcher == "python"
            else torchrun(case.nproc, case.script, *flags, "--output-dir", out))
     run(cmd, timeout=1800, env=case.env)
-    return metrics(out)[1:]
+    return [metrics(out)]
 
 
 def half_workload(flags: list[str]) -> list[str]:
@@ -97,40 +109,66 @@ def half_workload(flags: list[str]) -> list[str]:
     return flags
 
 
-def epoch_rates(case: Case, run: list[dict]) -> list[float]:
-    """Images/s of each measured epoch; a pair's two processes run at once, so their rates add up."""
-    if case.launcher == "pair":
-        half = len(run) // 2
-        return [a["images_per_s"] + b["images_per_s"] for a, b in zip(run[:half], run[half:])]
-    return [m["images_per_s"] for m in run]
-
-
-def summarise(case: Case, runs: list[list[dict]]) -> dict:
-    """Median seconds per epoch over runs (each run's mean of measured epochs), and the rest.
+def summarise(runs: list[list[list[dict]]]) -> dict:
+    """Median seconds per measured epoch over runs (each run's mean), and the rest. A pair's two processes
+    run at once, so their rates add up.
 
     `best` is the fastest measured epoch of all runs: noise on a shared machine only ever
     slows a run down (here by up to half again, for whole epochs), so the ratios use it.
     """
-    seconds = [statistics.mean(m["epoch_time_s"] for m in r) for r in runs]
-    rates = [epoch_rates(case, r) for r in runs]
-    last = runs[-1][-1]
+    seconds = [statistics.mean(m["epoch_time_s"] for m in processes[0][1:]) for processes in runs]
+    rates = [[sum(epochs) for epochs in zip(*[[m["images_per_s"] for m in p[1:]] for p in processes])]
+             for processes in runs]
+    last = runs[-1][0][-1]
     return dict(seconds=statistics.median(seconds), low=min(seconds), high=max(seconds),
+                first=statistics.median(processes[0][0]["epoch_time_s"] for processes in runs),
                 images_per_s=statistics.median(statistics.mean(r) for r in rates),
-                best=max(max(r) for r in rates), tflops=last.get("tflops", 0.0),
+                best=max(max(r) for r in rates), tflops=last.get("tflops"),
                 peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
-                data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"] for r in runs for m in r))
+                data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
+                                          for processes in runs for m in processes[0][1:]))
 
 
 def table(rows: list[tuple[Case, dict]], batch: int) -> str:
-    lines = ["| approach | processes | global batch | s/epoch median (min-max) | images/s | TFLOP/s "
-             "| peak memory MB | data wait | val acc |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| approach | processes | global batch | s/epoch median (min-max) | first epoch s | images/s "
+             "| TFLOP/s | peak memory MB | data wait | val acc |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for case, s in rows:
         b = f"2 x {batch // 2}" if case.launcher == "pair" else str(batch)
+        tflops = "-" if s["tflops"] is None else f"{s['tflops']:.2f}"
         lines.append(f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
-                     f"| {s['images_per_s']:.0f} | {s['tflops']:.2f} | {s['peak_mem_mb']:.0f} "
+                     f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} "
                      f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |")
     return "\n".join(lines)
+
+
+def textbook_ratio(results: dict[str, dict], same: str) -> str:
+    """Ours against the textbook loop: `same` has its processes, batch, recipe and precision; and our fastest."""
+    textbook = next(name for name in results if name.startswith(TEXTBOOK))
+    fastest = max((name for name in results if name != textbook and "ceiling" not in name),
+                  key=lambda name: results[name]["best"])
+    return "- against the textbook loop: " + "; ".join(
+        f"{name} / textbook = {results[name]['best'] / results[textbook]['best']:.2f}x images/s"
+        for name in dict.fromkeys([same, fastest]) if name in results)
+
+
+def chart(rows: list[tuple[Case, dict]], title: str) -> str:
+    """An SVG bar chart of images/s per approach, fastest first: the scripts in blue, the textbook loop grey."""
+    rows = sorted(rows, key=lambda row: -row[1]["images_per_s"])
+    left, bar, step, scale = 360, 20, 28, 330 / max(s["images_per_s"] for _, s in rows)
+    height = 70 + step * len(rows)
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="800" height="{height}" font-family="sans-serif" '
+           f'font-size="13"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>']
+    for i, (case, s) in enumerate(rows):
+        y, width = 40 + i * step, s["images_per_s"] * scale
+        colour = "#9e9e9e" if case.name.startswith(TEXTBOOK) else "#b0bec5" if case.launcher == "pair" else "#1f77b4"
+        svg += [f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(case.name)}</text>',
+                f'<rect x="{left}" y="{y}" width="{width:.1f}" height="{bar}" fill="{colour}"/>',
+                f'<text x="{left + width + 6:.1f}" y="{y + 15}">{s["images_per_s"]:,.0f}</text>']
+    svg.append(f'<text x="10" y="{height - 12}" fill="#555">images/s, higher is better. Blue: these scripts; '
+               f'grey: the textbook loop (per-image PIL transforms); light: a ceiling, not a way to train</text>')
+    return "\n".join(svg + ["</svg>\n"])
 
 
 def cpu_ratios(results: dict[str, dict]) -> str:
@@ -148,7 +186,8 @@ def cpu_ratios(results: dict[str, dict]) -> str:
         f"- DDP overhead at world size 1: {100 * (plain / ddp1 - 1):+.1f}% "
         f"time per image against the same training without DDP (goal <= 3%)",
         f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
-        f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)"])
+        f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
+        textbook_ratio(results, "DDP, 2 processes")])
 
 
 def hardware() -> str:
@@ -173,6 +212,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="DataLoader workers per process (default: the scripts' own default)")
     parser.add_argument("--only", default=None, help="run only the case of this name, or those whose names contain it")
+    parser.add_argument("--chart", default=None, metavar="PATH", help="also write images/s per approach as an SVG")
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
@@ -195,15 +235,22 @@ def main() -> None:
                 print(f"round {round_ + 1}/{args.repeats}: {case.name}", file=sys.stderr, flush=True)
                 runs[case.name].append(run_case(case, common, Path(tmp) / f"{round_}-{i}"))
                 # each run's row at once, so a cut-off benchmark still leaves its numbers
-                print(table([(case, summarise(case, runs[case.name][-1:]))], args.batch_size)
+                print(table([(case, summarise(runs[case.name][-1:]))], args.batch_size)
                       .splitlines()[-1], file=sys.stderr, flush=True)
-    results = {c.name: summarise(c, runs[c.name]) for c in selected}
-    print(f"Workload: {args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images "
-          f"per epoch, {args.epochs} epochs per run (first is warm-up), {args.repeats} runs per case.\n")
+    results = {c.name: summarise(runs[c.name]) for c in selected}
+    workload_line = (f"{args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images per epoch, "
+                     f"global batch {args.batch_size}")
+    print(f"Workload: {workload_line}, {args.epochs} epochs per run (first is warm-up, shown apart), "
+          f"{args.repeats} runs per case.\n")
     print(table([(c, results[c.name]) for c in selected], args.batch_size))
     if args.quick and args.only is None:
         print("\n" + cpu_ratios(results))
+    elif any(name.startswith(TEXTBOOK) for name in results) and len(results) > 1:
+        print("\n" + textbook_ratio(results, "DDP + AMP float16"))
     print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {' '.join(sys.argv[1:])}")
+    if args.chart:
+        Path(args.chart).write_text(chart([(c, results[c.name]) for c in selected],
+                                          f"{workload_line}; {hardware().split(', PyTorch')[0]}"))
 
 
 if __name__ == "__main__":
