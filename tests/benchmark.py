@@ -167,7 +167,7 @@ def chart(rows: list[tuple[Case, dict]], title: str) -> str:
                 f'<rect x="{left}" y="{y}" width="{width:.1f}" height="{bar}" fill="{colour}"/>',
                 f'<text x="{left + width + 6:.1f}" y="{y + 15}">{s["images_per_s"]:,.0f}</text>']
     svg.append(f'<text x="10" y="{height - 12}" fill="#555">images/s, higher is better. Blue: these scripts; '
-               f'grey: the textbook loop (per-image PIL transforms); light: a ceiling, not a way to train</text>')
+               f'grey: the textbook loop; light: a ceiling, not a way to train</text>')
     return "\n".join(svg + ["</svg>\n"])
 
 
