@@ -318,6 +318,35 @@ def test_the_built_in_fast_path_leaves_your_inputs_alone():
     assert torch.equal(moved, inputs) and torch.equal(targets, torch.arange(5))
 
 
+def test_the_start_up_step_leaves_weights_statistics_and_random_streams_as_they_were():
+    """It runs in training mode (a batch-norm model updates its running statistics, dropout draws), then puts
+    everything back: a run trains exactly as if it had not happened."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+    before, inputs = {k: v.clone() for k, v in model.state_dict().items()}, torch.randn(5, 3, 8, 8)
+    rng = torch.get_rng_state()
+    args = utils.build_parser("x").parse_args([])
+    flops = utils.check_first_step(model, inputs, torch.tensor([0, 1, 2, 0, 1]), torch.nn.functional.cross_entropy,
+                                   torch.utils.data.TensorDataset(), args, unused_ok=False)
+    assert flops > 0 and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # num_batches_tracked too
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("outputs, targets, accuracy", [
+    (torch.tensor([[2.0, 1.0], [0.0, 3.0]]), torch.tensor([0, 0]), 0.5),  # classification
+    (torch.zeros(2, 3, 4, 4).index_fill_(1, torch.tensor([2]), 1.0),  # segmentation: class 2 everywhere,
+     torch.full((2, 4, 4), 2).index_fill_(2, torch.tensor([0]), 255), 1.0),  # one column "ignore" (255)
+    (torch.randn(2, 1), torch.randn(2, 1), None),  # regression
+    (torch.randn(2, 1), torch.tensor([[0], [1]]), None),  # one logit for two classes: not argmax-able
+    (torch.randn(2, 4), torch.rand(2, 4).round(), None),  # multi-label 0/1 floats
+])
+def test_accuracy_is_measured_only_where_targets_are_class_indices(outputs, targets, accuracy):
+    meter = utils.Meter(torch.device("cpu"))
+    meter.update(torch.tensor(0.5), outputs, targets)
+    assert meter.reduce() == (0.5, accuracy, 2)  # and the samples come from the batch dimension
+
+
 def test_flags_are_also_accepted_in_snake_case():
     """Other tutorials write --batch_size=128 and --output_dir; values keep their underscores."""
     args = utils.build_parser("x").parse_args(["--batch_size=128", "--output_dir", "my_out", "--data-dir=a_b",
