@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import TINY, max_weight_difference, metrics, python, run, torchrun, weights  # noqa: E402
 
@@ -33,6 +34,7 @@ def main() -> None:
     check("distributed.py on cuda (nccl, world 1) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}")
     warned = "barrier(): using the device" in result.stderr  # device_id given to init_process_group: no guess
     check("no barrier() device warning", not warned, "warned" if warned else "none printed")
+    your_task_on_the_gpu(tmp)
     run(python("dataparallel.py", *exact, "--output-dir", tmp / "dp"))
     d = max_weight_difference(tmp / "dp", tmp / "ddp")
     check("dataparallel.py on 1 GPU == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
@@ -81,6 +83,27 @@ def main() -> None:
     check("CUDA graphs: continued run == uninterrupted", d <= 1e-6, f"max weight difference {d:.2e}")
     print(f"{len(failures)} failed" if failures else "all GPU checks passed")
     sys.exit(1 if failures else 0)
+
+
+def your_task_on_the_gpu(tmp: Path) -> None:
+    """A user's task: labels outside the classes end in one line before any CUDA kernel could assert; a
+    regression learns with float16 and GradScaler; a run whose float16 loss turns NaN stops with one line."""
+    from test_your_own_data import COMMON, YOUR_CLASSIFICATION, YOUR_REGRESSION, copy_with_your_functions
+    bad = YOUR_CLASSIFICATION.replace("Blobs(203, seed=2), 4", "Blobs(203, seed=2), 3")
+    copy = copy_with_your_functions("distributed.py", tmp / "labels", bad)
+    result = run(python(copy, *COMMON, "--output-dir", tmp / "labels-out"), check=False, cwd=tmp / "labels")
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    check("labels outside the classes: one line, no device-side assert", last.startswith("error: class labels")
+          and "device-side assert" not in result.stderr, last)
+    copy = copy_with_your_functions("distributed_amp.py", tmp / "regression", YOUR_REGRESSION)
+    run(python(copy, *COMMON, "--amp-dtype", "float16", "--output-dir", tmp / "regression-out"), cwd=tmp / "regression")
+    losses = [m["val_loss"] for m in metrics(tmp / "regression-out")]
+    check("a regression learns with float16 + GradScaler", losses[-1] < losses[0] / 5, f"val_loss {losses}")
+    result = run(python("distributed_amp.py", *TINY, "--amp-dtype", "float16", "--lr", "1e6",
+                        "--output-dir", tmp / "diverged"), check=False)
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    check("a diverging float16 run stops with one line", result.returncode != 0
+          and last.startswith("error: training diverged"), last)
 
 
 if __name__ == "__main__":
