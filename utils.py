@@ -372,6 +372,11 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
 
 # --------------------------------------------------- any batch, any task ----
 
+def first(data, n: int):
+    """The first n samples of a batch of any structure."""
+    return tree_map_only(torch.Tensor, lambda t: t[:n], data)
+
+
 def batch_len(data) -> int:
     """Samples in a batch of any structure: its first tensor's batch dimension."""
     return len(next(leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)))
@@ -501,21 +506,22 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
 
 def check_first_step(model: nn.Module, inputs, targets, compute_loss: Callable, dataset: Dataset, args,
                      unused_ok: bool) -> float:
-    """A training step's forward and backward pass of a real batch, undone (no optimizer step), before training:
-    what would fail or learn nothing later ends every rank here with one line. Returns the FLOPs per sample."""
+    """A training step's forward and backward pass of two samples of a real batch (in float32: small, whatever the
+    precision of training), undone, before training: what would fail or learn nothing later ends every rank here
+    with one line, and the first batch's labels are checked. Returns the FLOPs per sample."""
     with errors_shared_by_all_ranks():  # one rank's bad batch ends every rank with its line
         buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
         rng_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(rng_devices), torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
             try:
-                outputs = model.train()(inputs)
+                outputs = model.train()(first(inputs, 2))
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
                 if hasattr(dataset, "batch_transform"):  # built-in images and models: name a size that works
                     raise UsageError(cannot_take(args.arch, args.image_size, e)) from None
                 raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
             if is_default_loss(compute_loss):  # on a GPU a bad label is a device-side assert that kills the process
                 check_class_targets(outputs, targets)
-            loss = compute_loss(outputs, targets)
+            loss = compute_loss(outputs, first(targets, 2))
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise UsageError(f"compute_loss must return a scalar tensor, not {what}: reduce it, e.g. with .mean()")
@@ -528,7 +534,7 @@ def check_first_step(model: nn.Module, inputs, targets, compute_loss: Callable, 
             names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
             raise UsageError(f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP "
                              f"train such a model, or leave them out of it")
-    return counter.get_total_flops() / batch_len(inputs)
+    return counter.get_total_flops() / batch_len(first(inputs, 2))
 
 
 def check_class_targets(outputs, targets) -> None:

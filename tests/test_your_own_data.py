@@ -276,7 +276,7 @@ BAD_TASKS = {  # (what the user wrote, processes, the line every rank ends with)
         "check num_classes, or replace compute_loss (a regression: F.mse_loss)"),
     "a loss per sample": (
         YOUR_REGRESSION.replace("F.mse_loss(outputs, targets)", "F.mse_loss(outputs, targets, reduction='none')"),
-        1, "error: compute_loss must return a scalar tensor, not shape (32, 1): reduce it, e.g. with .mean()"),
+        1, "error: compute_loss must return a scalar tensor, not shape (2, 1): reduce it, e.g. with .mean()"),
 }
 
 
