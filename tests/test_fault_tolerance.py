@@ -25,16 +25,17 @@ def kill_one_worker_after_first_checkpoint(proc, marker, out, script: str) -> No
 
 
 def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path):
-    run(torchrun(2, "distributed.py", *SLOW, "--output-dir", tmp_path / "straight"))
+    two_epochs = [*SLOW, "--epochs", "2"]  # killed in the second, which the restarted group trains again
+    run(torchrun(2, "distributed.py", *two_epochs, "--output-dir", tmp_path / "straight"))
     out = tmp_path / "killed"
-    cmd = torchrun(2, "distributed.py", *SLOW, "--output-dir", out)
+    cmd = torchrun(2, "distributed.py", *two_epochs, "--output-dir", out)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=2")
     proc, marker = start(cmd)
     kill_one_worker_after_first_checkpoint(proc, marker, out, "distributed.py")
     result = finish(proc, marker, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "continuing from" in result.stdout
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert [m["epoch"] for m in metrics(out)] == [1, 2]
     assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
 
 
