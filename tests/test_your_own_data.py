@@ -115,6 +115,14 @@ def compute_loss(outputs, targets):
     return F.cross_entropy(outputs, targets)
 '''
 
+def users_compute_loss(yours: str):
+    """compute_loss as defined in the user's code (compiled there, as in their copy of a script)."""
+    namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional}
+    exec(yours, namespace)
+    return namespace["compute_loss"]
+
+
+YOUR_CLASSIFICATION_LOSS = users_compute_loss(YOUR_CLASSIFICATION)  # F.cross_entropy(outputs, targets)
 PLUG_POINTS = ("build_datasets", "build_model", "compute_loss")
 COMMON = ["--batch-size", "32", "--epochs", "3", "--lr", "0.05", "--workers", "0", "--timeout", "60"]
 
@@ -162,9 +170,8 @@ def single_process(tmp_path_factory) -> Path:
 
 def untrained_regression_loss() -> float:
     """The validation loss of predicting 0, as an untrained model about does: the targets' mean square."""
-    yours = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional}
-    exec(YOUR_REGRESSION, yours)
-    return yours["Line"](203, seed=2).y.pow(2).mean().item()
+    line = users_compute_loss(YOUR_REGRESSION).__globals__["Line"]
+    return line(203, seed=2).y.pow(2).mean().item()
 
 
 # (script, processes, extra flags, equal to one process with the whole batch?)
@@ -265,28 +272,55 @@ def build_model(args, num_classes):
     assert [m["epoch"] for m in metrics(out)] == [1] and math.isfinite(metrics(out)[0]["train_loss"])
 
 
-BAD_TASKS = {  # (what the user wrote, processes, the line every rank ends with)
-    "labels outside the classes": (
-        YOUR_CLASSIFICATION.replace("Blobs(203, seed=2), 4", "Blobs(203, seed=2), 3"), 2,
-        "error: class labels from 0 to 3 in the first batch, outside [0, 3) for the model's 3 outputs: "
-        "check num_classes, or replace compute_loss"),
+def test_labels_outside_the_classes_end_every_rank_with_one_line_before_training(tmp_path):
+    """On a GPU such a label would be a device-side assert that kills the process mid-run."""
+    yours = YOUR_CLASSIFICATION.replace("Blobs(203, seed=2), 4", "Blobs(203, seed=2), 3")  # labels 0..3
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", yours)
+    result = run(launch(copy, 2, *COMMON, "--output-dir", tmp_path / "out"), cwd=tmp_path, check=False)
+    ends_every_rank_with(result, "error: class labels from 0 to 3 in the first batch, outside [0, 3) for the "
+                                 "model's 3 outputs: check num_classes, or replace compute_loss", ranks=2)
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def mse_per_sample(outputs, targets):
+    return torch.nn.functional.mse_loss(outputs, targets, reduction="none")
+
+
+BAD_TASKS = {  # (the model's outputs, targets, compute_loss, the line): what the start-up step refuses
     "one output under the default loss": (
-        YOUR_REGRESSION.replace("F.mse_loss(outputs, targets)", "F.cross_entropy(outputs, targets)"), 1,
-        "error: the model gives 1 output per sample, and cross-entropy over one class is always 0: "
+        torch.nn.Linear(8, 1), torch.randn(4, 1), "default",
+        "the model gives 1 output per sample, and cross-entropy over one class is always 0: "
         "check num_classes, or replace compute_loss (a regression: F.mse_loss)"),
     "a loss per sample": (
-        YOUR_REGRESSION.replace("F.mse_loss(outputs, targets)", "F.mse_loss(outputs, targets, reduction='none')"),
-        1, "error: compute_loss must return a scalar tensor, not shape (2, 1): reduce it, e.g. with .mean()"),
+        torch.nn.Linear(8, 1), torch.randn(4, 1), mse_per_sample,
+        "compute_loss must return a scalar tensor, not shape (2, 1): reduce it, e.g. with .mean()"),
+    "the default loss, labels not classes": (
+        torch.nn.Linear(8, 3), torch.tensor([0, 1, 2, -1]), "default",
+        "class labels from -1 to 2 in the first batch, outside [0, 3) for the model's 3 outputs: "
+        "check num_classes, or replace compute_loss"),
 }
 
 
 @pytest.mark.parametrize("case", BAD_TASKS)
-def test_a_task_the_loss_cannot_mean_ends_with_one_line_before_training(case, tmp_path):
-    yours, processes, line = BAD_TASKS[case]
-    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", yours)
-    result = run(launch(copy, processes, *COMMON, "--output-dir", tmp_path / "out"), cwd=tmp_path, check=False)
-    ends_every_rank_with(result, line, processes)
-    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+def test_a_task_the_loss_cannot_mean_is_refused_by_the_start_up_step(case):
+    """The scripts turn this UsageError into the one line above, on every rank."""
+    model, targets, compute_loss, line = BAD_TASKS[case]
+    if compute_loss == "default":  # the scripts' default body, recognised as such
+        compute_loss = YOUR_CLASSIFICATION_LOSS
+    with pytest.raises(utils.UsageError) as error:
+        utils.check_first_step(model, torch.randn(4, 8), targets, compute_loss, torch.utils.data.TensorDataset(),
+                               utils.build_parser("x").parse_args([]), unused_ok=False)
+    assert str(error.value) == line
+
+
+def test_a_custom_loss_may_use_labels_the_default_could_not():
+    """Not the default loss: an "ignore" label of 255 is the loss's business, not refused."""
+    def with_ignore(outputs, targets):
+        return torch.nn.functional.cross_entropy(outputs, targets, ignore_index=255)
+    flops = utils.check_first_step(torch.nn.Linear(8, 3), torch.randn(4, 8), torch.tensor([0, 1, 255, 2]),
+                                   with_ignore, torch.utils.data.TensorDataset(),
+                                   utils.build_parser("x").parse_args([]), unused_ok=False)
+    assert flops > 0
 
 
 def test_your_run_with_dropout_continues_exactly_mid_epoch(tmp_path):
