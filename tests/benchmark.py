@@ -155,10 +155,11 @@ def textbook_ratio(results: dict[str, dict], same: str) -> str:
 def chart(rows: list[tuple[Case, dict]], title: str) -> str:
     """An SVG bar chart of images/s per approach, fastest first: the scripts in blue, the textbook loop grey."""
     rows = sorted(rows, key=lambda row: -row[1]["images_per_s"])
-    left, bar, step, scale = 360, 20, 28, 330 / max(s["images_per_s"] for _, s in rows)
+    left = 20 + round(7.5 * max(len(case.name) for case, _ in rows))  # about 7.5 px a character at 13 px
+    bar, step, scale = 20, 28, 330 / max(s["images_per_s"] for _, s in rows)
     height = 70 + step * len(rows)
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="800" height="{height}" font-family="sans-serif" '
-           f'font-size="13"><rect width="100%" height="100%" fill="white"/>',
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(800, left + 420)}" height="{height}" '
+           f'font-family="sans-serif" font-size="13"><rect width="100%" height="100%" fill="white"/>',
            f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>']
     for i, (case, s) in enumerate(rows):
         y, width = 40 + i * step, s["images_per_s"] * scale
