@@ -4,7 +4,7 @@ pipeline of a CIFAR tutorial: a Dataset that turns each uint8 image into a PIL i
 torchvision's RandomCrop, RandomHorizontalFlip, ToTensor and Normalize in the DataLoader's workers;
 a DistributedSampler; DDP; on a GPU autocast float16 with a GradScaler; loss.item() every step.
 
-    torchrun --standalone --nproc_per_node=2 tests/textbook.py --fake-size 8192 --arch tiny --output-dir out
+    torchrun --standalone --nproc_per_node=2 tests/textbook.py --dataset fake --fake-size 8192 --arch tiny --epochs 3
 
 It writes the metrics.jsonl fields the benchmark reads. No resume, no exact validation, no error
 handling: it stands for what a user would otherwise run, not for what we recommend.
@@ -44,17 +44,13 @@ class CIFARStyle(Dataset):
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", choices=["fake"], default="fake", help="only the in-memory fake images")
-    p.add_argument("--fake-size", type=int, default=50_000, help="training images")
-    p.add_argument("--image-size", type=int, default=32, help="image side")
-    p.add_argument("--arch", default="resnet18", help="tiny or a torchvision classifier, as the scripts")
-    p.add_argument("--batch-size", type=int, default=512, help="global batch size")
-    p.add_argument("--epochs", type=int, default=3, help="epochs")
-    p.add_argument("--workers", type=int, default=None, help="DataLoader workers per process (default as the scripts)")
-    p.add_argument("--print-freq", type=int, default=100, help="log every N steps")
-    p.add_argument("--output-dir", default="./output", help="where rank 0 writes metrics.jsonl")
-    return p.parse_args()
+    """The scripts' own flags and defaults (workers, the peak lr from the batch); this loop uses the workload's."""
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    args = parser.parse_args()
+    utils.check_args(args)
+    if args.dataset != "fake":
+        parser.error("the textbook loop reads --dataset fake only")
+    return args
 
 
 def main() -> None:
@@ -66,8 +62,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    workers = args.workers if args.workers is not None else (
-        min(8, max(0, (os.cpu_count() or 1) // torch.cuda.device_count() - 2)) if cuda else 0)
+    workers = args.workers
 
     normalize = T.Normalize(utils.CIFAR_MEAN, utils.CIFAR_STD)
     train_tf = T.Compose([T.RandomCrop(args.image_size, padding=args.image_size // 8), T.RandomHorizontalFlip(),
@@ -75,18 +70,18 @@ def main() -> None:
     train_set = CIFARStyle(utils.fake_images(args.fake_size, args.image_size, "train"), train_tf)
     val_set = CIFARStyle(utils.fake_images(args.fake_size // utils.FAKE_VAL_FRACTION, args.image_size, "val"),
                          T.Compose([T.ToTensor(), normalize]))
-    sampler = DistributedSampler(train_set, drop_last=True)
+    sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     batch = args.batch_size // world_size
     loader = DataLoader(train_set, batch, sampler=sampler, num_workers=workers, pin_memory=cuda, drop_last=True,
                         persistent_workers=workers > 0)
     val_loader = DataLoader(val_set, batch, sampler=DistributedSampler(val_set, shuffle=False), num_workers=workers)
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = utils.builtin_model(args.arch, utils.FAKE_CLASSES, args.image_size).to(device)
     model = DDP(model, device_ids=[local_rank] if cuda else None)
-    lr = 0.1 * args.batch_size / 256
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), 0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
 
     for epoch in range(args.epochs):
@@ -122,8 +117,7 @@ def main() -> None:
                           peak_mem_mb=utils.peak_memory_mb(device))
             print(json.dumps(record), flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            with open(Path(args.output_dir) / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            utils.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
     dist.destroy_process_group()
 
 
