@@ -19,26 +19,35 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 from utils import UsageError, log
 
 
-# ---- your data, model and task: replace these three bodies, nothing else ----
+# ---- your data, model and task: replace these four bodies, nothing else ----
 
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of (inputs, targets), each a tensor or a
-    tuple, list or dict of tensors (nested); the model gets the inputs as they are."""
-    return utils.builtin_datasets(args)  # --dataset: CIFAR, an image folder or fake images
+    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches of."""
+    import builtin  # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    return builtin.datasets(args)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module that takes a batch of inputs; what it returns goes to compute_loss."""
-    return utils.builtin_model(args.arch, num_classes, args.image_size)  # --arch: tiny or torchvision
+    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models take
+    them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
+    import builtin  # --arch: tiny or a torchvision classifier
+    return builtin.model(args.arch, num_classes, args.image_size)
 
 
-def compute_loss(outputs, targets) -> torch.Tensor:
-    """The batch's mean loss, a scalar. Accuracy is logged too where targets are class indices."""
+def compute_loss(outputs, targets):
+    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens, pixels) and
+    how many items it sums, for the exact mean over all ranks. Accuracy is logged where targets are class indices."""
     return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
+
+
+def collate(samples: list):
+    """One batch (inputs, targets) from a list of samples, each a tensor or a tuple, list or dict of
+    tensors (nested): stacked here; pad samples of different lengths (text) in your own."""
+    return default_collate(samples)
 
 
 # ---- the approach ----
@@ -95,7 +104,9 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
 
 def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
                   device) -> tuple[DataLoader, DataLoader]:
-    common = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
+    common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
+                  persistent_workers=args.workers > 0)
     # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
     # dropped so that every rank takes the same number of steps
     train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
@@ -117,16 +128,19 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step:
     model.train()
     meter = utils.Meter(device)
     steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
-    for step, batch in enumerate(meter.timed(loader), first_step + 1):
+    for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, step))
-        outputs = model(inputs)
+        outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
+        # a (sum, count) pair over the count of all ranks; DDP all-reduces the gradients here, bucket by bucket
+        utils.loss_for_backward(loss).backward()
+        if args.clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # all ranks hold the same gradients
         optimizer.step()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, outputs, targets)
+        meter.update(loss, outputs, targets, samples)
         if step % args.print_freq == 0:  # and a diverged run stops here
             utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
@@ -148,10 +162,10 @@ def evaluate(model, loader, args, device) -> dict:
         dist.broadcast(buffer, 0)
     module.eval()
     meter = utils.Meter(device)
-    for batch in loader:
+    for samples, batch in loader:
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        outputs = module(inputs)
-        meter.update(compute_loss(outputs, targets), outputs, targets)
+        outputs = utils.forward(module, inputs)
+        meter.update(compute_loss(outputs, targets), outputs, targets, samples)
     val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
     return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
 
@@ -167,7 +181,8 @@ def main():
             utils.check_output_dir(output_dir)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, peak lr {args.lr:.4g}")
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "
+             f"weight decay {args.weight_decay:g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -179,8 +194,7 @@ def main():
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    inputs, targets = utils.batch_to_device(next(iter(train_loader)), device, train_set, args.channels_last)
-    flops_per_sample = utils.check_first_step(model, inputs, targets, compute_loss, train_set, args,
+    flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device,
                                               unused_ok=args.find_unused_parameters)
     if args.sync_bn:
         if device.type != "cuda":
@@ -193,8 +207,7 @@ def main():
                 **utils.no_buffer_sync_per_forward())
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
     scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
 
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -210,14 +223,15 @@ def main():
                     utils.append_metrics(metrics_path, record)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(),
-                                       "epoch": epoch, "step": step, "arch": args.arch, "seed": args.seed,
+                                       "epoch": epoch, "step": step, "arch": args.arch,
+                                       "optimizer_name": args.optimizer, "seed": args.seed,
                                        **utils.rng_states()},
                                       checkpoint_path)
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:
-        utils.restore(state, model, checkpoint_path, args.arch, optimizer=optimizer, scheduler=scheduler)
+        utils.restore(state, model, checkpoint_path, args, optimizer=optimizer, scheduler=scheduler)
         start_epoch, first_step = state["epoch"], state.get("step", 0)
         log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done"
                  + (f" and {first_step} steps of the next" if first_step else ""))
@@ -234,7 +248,7 @@ def main():
         first_step = 0
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      peak_mem_mb=utils.peak_memory_mb(device),
+                      peak_mem_mb=utils.peak_memory_mb(device), **utils.model_state_mb(model, optimizer),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record)
         utils.log_epoch(record, args.epochs)

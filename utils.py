@@ -1,16 +1,15 @@
-"""Small helpers shared by the five training scripts: what no approach owns (one-line errors, flags, logging,
-meters, rendezvous, checkpoints, checks of a batch, model and loss, the built-in data and models). The DDP
-recipe itself (samplers, loaders, wrap, step, evaluation, teardown) is in each script."""
+"""Small helpers shared by the training scripts: what no approach owns (one-line errors, flags, logging, meters,
+rendezvous, checkpoints, checks of a batch, model and loss). The recipe itself (samplers, loaders, wrap, step,
+evaluation, teardown) is in each script; the built-in data and models are in builtin.py."""
 from __future__ import annotations
 
-import argparse, contextlib, errno, inspect, io, json, logging, math, os, re, resource, signal, socket, sys, tempfile
-import time, uuid
+import argparse, contextlib, errno, gc, inspect, io, itertools, json, logging, math, os, re, resource, signal, socket
+import sys, tempfile, time, uuid
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable
 from urllib.parse import urlparse
-
-import numpy as np
 
 # PyTorch's C++ side logs rendezvous retries with stack dumps; our errors say it in one
 # line. Must be set before torch loads; TORCH_CPP_LOG_LEVEL=INFO shows everything again.
@@ -18,16 +17,12 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
-import torchvision
 import torch.utils.flop_counter
-from torch.utils._pytree import tree_leaves, tree_map_only  # nested tuples, lists and dicts of tensors
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils._pytree import tree_map_only  # nested tuples, lists and dicts of tensors
+from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("train")
 
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-FAKE_CLASSES = 10
-FAKE_VAL_FRACTION = 5  # fake validation set = fake_size // 5 images
 
 
 # ---------------------------------------------------------------- errors ----
@@ -68,10 +63,13 @@ def build_parser(description: str) -> ArgumentParser:
     add("--epochs", type=int, default=30, help="planned epochs (the lr schedule spans them)")
     add("--stop-after", type=int, default=None, metavar="N", help="end after N epochs; the same command continues")
     add("--batch-size", type=int, default=256, help="GLOBAL batch size, split evenly over all processes")
-    add("--lr", type=float, default=None, help="peak learning rate (default: 0.1 x batch-size / 256)")
+    add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
+    add("--lr", type=float, default=None, help="peak learning rate (default: sgd 0.1 x batch-size / 256, adamw 1e-3)")
     add("--warmup", type=float, default=0.1, metavar="FRACTION", help="part of the steps the lr rises linearly")
     add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    add("--weight-decay", type=float, default=None, help="weight decay (default: sgd 5e-4, adamw 0.01)")
+    add("--clip-grad", type=float, default=None, metavar="NORM", help="clip the global gradient norm to NORM "
+        "before each optimizer step")
     add("--workers", type=int, default=None, help="DataLoader workers per process (default: spare cores per GPU)")
     add("--seed", type=int, default=0, help="seed for init, data order and augmentation")
     add("--print-freq", type=int, default=50, help="log every N steps")
@@ -99,9 +97,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers or 0) < 0 or args.timeout <= 0 or args.seed < 0 or not 0 <= args.warmup < 1:
         raise UsageError("--workers and --seed must be >= 0, --timeout > 0 and --warmup in [0, 1)")
+    if args.clip_grad is not None and args.clip_grad <= 0:
+        raise UsageError("--clip-grad must be > 0")
     args.compile = args.compile or args.compile_mode is not None
-    if args.lr is None:  # the linear scaling rule (Goyal et al. 2017): 0.1 per 256 images of global batch
-        args.lr = 0.1 * args.batch_size / 256
+    if args.lr is None:  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples of global batch
+        args.lr = 1e-3 if args.optimizer == "adamw" else 0.1 * args.batch_size / 256
+    if args.weight_decay is None:
+        args.weight_decay = 0.01 if args.optimizer == "adamw" else 5e-4
     if args.workers is None:  # the cores each GPU can spare, one kept for the training loop itself
         gpus = torch.cuda.device_count()
         args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
@@ -138,18 +140,23 @@ class Stopped(Exception):
 
 def run_main(main: Callable[[], None]) -> None:
     """Run main(); turn user errors into one line and a non-zero exit; always tear down."""
+    status: int | str = 0
     try:
         main()
     except Stopped as e:
         print(e, file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)  # as a shell reports a process ended by that signal
+        status = 128 + e.signum  # as a shell reports a process ended by that signal
     except (Exception, KeyboardInterrupt) as e:
-        if (message := failure_message(e)) is None:
+        if (status := failure_message(e)) is None:
             raise
-        sys.exit(message)
-    finally:
+    finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
+        # free them and their process groups now: left to the interpreter's shutdown, gloo's threads can abort
+        # it ("terminate called without an active exception") after a run that ended well
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    if status:
+        sys.exit(status)
 
 
 # --------------------------------------------------------------- logging ----
@@ -257,110 +264,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-# --------------------------------------------------------- built-in data ----
-# What the scripts' build_datasets() uses; a user's own Dataset replaces all of it.
-
-def builtin_datasets(args) -> tuple[Dataset, Dataset, int]:
-    """(train, val, classes) for --dataset: uint8 images with a batch_transform for the device."""
-    if args.dataset == "fake":
-        train = fake_images(args.fake_size, args.image_size, "train")
-        val = fake_images(max(1, args.fake_size // FAKE_VAL_FRACTION), args.image_size, "val")
-    elif args.dataset == "imagefolder":
-        train, val = image_folders(Path(args.data_dir), args.image_size)
-    else:
-        train, val = cifar(args)
-    train.batch_transform = ImageBatchTransform(args.seed, 0 if args.no_augment else args.image_size // 8)
-    val.batch_transform = ImageBatchTransform(args.seed, padding=0)
-    return train, val, len(train.classes)
-
-
-class ImageTensors(TensorDataset):
-    """A whole image set held as one uint8 tensor (N, 3, H, W), and its labels: CIFAR and fake data."""
-
-    def __init__(self, images: np.ndarray, targets, classes: list[str]):
-        super().__init__(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.as_tensor(targets))
-        self.classes = list(classes)
-
-
-def fake_images(size: int, image_size: int, split: str, seed: int = 0) -> ImageTensors:
-    """Learnable uint8 images held like CIFAR: a colour pattern per class, plus noise; fixed by (seed, split)."""
-    patterns = np.random.default_rng(seed).integers(0, 256, (FAKE_CLASSES, 4, 4, 3)).astype(np.float32)
-    repeat = math.ceil(image_size / 4)  # 4x4 blocks of colour, cut to the image size
-    patterns = patterns.repeat(repeat, 1).repeat(repeat, 2)[:, :image_size, :image_size]
-    rng = np.random.default_rng(seed * 10 + {"train": 1, "val": 2}[split])
-    targets = rng.integers(0, FAKE_CLASSES, size)
-    noise = rng.normal(0, 64, (size, image_size, image_size, 3)).astype(np.float32)
-    images = np.clip(patterns[targets] * 0.6 + 50 + noise, 0, 255).astype(np.uint8)
-    return ImageTensors(images, targets, [str(c) for c in range(FAKE_CLASSES)])
-
-
-def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
-    """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*, brought to image_size, as uint8."""
-    T = torchvision.transforms
-    resize = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
-    try:
-        train, val = (torchvision.datasets.ImageFolder(str(root / s), resize) for s in ("train", "val"))
-    except OSError as e:  # a missing folder, or one without images
-        raise UsageError(f"images not found under {root} ({first_line(e)}): --dataset imagefolder reads "
-                         f"DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*") from None
-    if train.classes != val.classes:
-        raise UsageError(f"{root}/train and {root}/val have different class folders")
-    return train, val
-
-
-def cifar(args) -> tuple[ImageTensors, ImageTensors]:
-    """CIFAR-10 or -100, downloaded by one process per machine while the others wait; all fail alike."""
-    cls = torchvision.datasets.CIFAR10 if args.dataset == "cifar10" else torchvision.datasets.CIFAR100
-    with errors_shared_by_all_ranks():
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            try:  # one archive holds both splits
-                cls(args.data_dir, download=not args.no_download)
-            except (RuntimeError, OSError) as e:
-                how = "--no-download was given" if args.no_download else "the download failed"
-                raise UsageError(f"{args.dataset} not found in {args.data_dir} and {how} ({first_line(e)})") from None
-    splits = (cls(args.data_dir, train=train) for train in (True, False))
-    return tuple(ImageTensors(d.data, d.targets, d.classes) for d in splits)
-
-
-class ImageBatchTransform:
-    """Built-in uint8 images, a batch at a time on the device: random crop and flip (padding > 0), then normalised.
-    The draws of a global batch come from (seed, epoch, step), and rank r keeps those of its images r, r+W, ...
-    (DistributedSampler's order): 1 and W processes, and a resumed run, see identical inputs."""
-
-    def __init__(self, seed: int, padding: int):
-        self.seed, self.padding = seed, padding
-        self.mean, self.std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (CIFAR_MEAN, CIFAR_STD))
-
-    def __call__(self, images: torch.Tensor, key: tuple[int, int] | None = None) -> torch.Tensor:
-        if self.padding and key is not None:
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]  # a stream per (seed, epoch, step)
-            generator = torch.Generator().manual_seed(int(seed))
-            shifts = torch.randint(0, 2 * self.padding + 1, (world * len(images), 2), generator=generator)
-            flips = torch.randint(0, 2, (world * len(images),), generator=generator).bool()
-            shifts, flips = shifts[rank::world].to(images.device), flips[rank::world].to(images.device)
-            images = random_crop_flip(images, shifts[:, 0], shifts[:, 1], flips, self.padding)
-        if self.mean.device != images.device:  # moved once, not every step
-            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
-        return (images.float() - self.mean) / self.std
-
-
-def random_crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-                     padding: int) -> torch.Tensor:
-    """RandomCrop(size, padding) at (top[i], left[i]), then a flip if flip[i], for a whole batch."""
-    n, c, h, w = images.shape
-    padded = nn.functional.pad(images, (padding,) * 4)
-    rows = top.view(n, 1) + torch.arange(h, device=images.device)
-    cols = left.view(n, 1) + torch.arange(w, device=images.device)
-    cols = torch.where(flip.view(n, 1), cols.flip(1), cols)  # a flipped crop reads its columns backwards
-    padded = padded.gather(2, rows.view(n, 1, h, 1).expand(n, c, h, w + 2 * padding))
-    return padded.gather(3, cols.view(n, 1, 1, w).expand(n, c, h, w))
-
-
 def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
                     key: tuple[int, int] | None = None):
     """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
-    inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
+    inputs, targets = batch
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):  # a tokenizer's BatchEncoding, say
+        inputs = dict(inputs)
+    inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
     transform = getattr(dataset, "batch_transform", None)
     if transform is not None:
         inputs = transform(inputs, key)
@@ -371,14 +281,41 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
 
 # --------------------------------------------------- any batch, any task ----
 
-def first(data, n: int):
-    """The first n samples of a batch of any structure."""
-    return tree_map_only(torch.Tensor, lambda t: t[:n], data)
+class Counted:
+    """The DataLoaders' collate_fn: (samples, batch), so that a batch of any structure (a list of per-image dicts,
+    padded sequences) is counted as the samples collate received. A class, so that loader workers can pickle it."""
+
+    def __init__(self, collate: Callable):
+        self.collate = collate
+
+    def __call__(self, samples: list) -> tuple[int, object]:
+        return len(samples), self.collate(samples)
 
 
-def batch_len(data) -> int:
-    """Samples in a batch of any structure: its first tensor's batch dimension."""
-    return len(next(leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)))
+def forward(model: nn.Module, inputs):
+    """A dict of inputs as keyword arguments, as Hugging Face models take them; anything else as one argument."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def loss_for_backward(loss) -> torch.Tensor:
+    """What backward() takes, given compute_loss's scalar mean (as it is) or (sum, count) pair. DDP (and FSDP)
+    average the ranks' gradients, so a pair becomes sum x world size / the count summed over all ranks: the
+    gradient of the mean over every rank's items, whatever each rank's count. One small all-reduce."""
+    if isinstance(loss, torch.Tensor):
+        return loss
+    total, count = loss
+    count = torch.as_tensor(count, dtype=torch.float64, device=total.device).clone()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size > 1:
+        dist.all_reduce(count)
+    return total * (world_size / count.clamp(min=1)).to(total.dtype)
+
+
+def logits(outputs) -> torch.Tensor | None:
+    """The scores in a model's outputs: a tensor, or the logits of a dict or a Hugging Face ModelOutput."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    return outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
 
 
 def class_indices(outputs, targets) -> bool:
@@ -396,72 +333,34 @@ def is_default_loss(compute_loss: Callable) -> bool:
             and set(code.co_consts) <= {None, compute_loss.__doc__})
 
 
-# ------------------------------------------------------- built-in models ----
-
-def builtin_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """tiny, or any torchvision classifier; a clear line for one that cannot be built for image_size."""
-    if arch == "tiny":  # GroupNorm (no batch statistics), GELU, no max-pool: world sizes agree to 1e-5
-        return nn.Sequential(
-            nn.Conv2d(3, 16, 3, 1, 1), nn.GroupNorm(8, 16), nn.GELU(),
-            nn.Conv2d(16, 32, 3, 2, 1), nn.GroupNorm(8, 32), nn.GELU(),
-            nn.Conv2d(32, 64, 3, 2, 1), nn.GroupNorm(8, 64), nn.GELU(),
-            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, num_classes))  # 4x4 cells: where, not what
-    if arch not in torchvision.models.list_models(module=torchvision.models):
-        raise UsageError(f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18, vit_b_16")
-    try:
-        return torchvision_model(arch, num_classes, image_size)
-    except (AssertionError, ValueError, RuntimeError) as e:  # vit_b_16 at 40 px: "indivisible by patch size"
-        raise UsageError(cannot_take(arch, image_size, e)) from None
-
-
-def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """No auxiliary heads (googlenet, inception_v3): training uses one output; small images: a ResNet 3x3 stem."""
-    extra = {"image_size": image_size} if arch.startswith("vit_") else {}
-    if arch in ("googlenet", "inception_v3"):
-        extra.update(aux_logits=False, init_weights=True)
-    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
-    if image_size <= 64 and isinstance(model, torchvision.models.ResNet):
-        # the ImageNet stem would shrink 32x32 inputs to 8x8 before the first block
-        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
-        model.maxpool = nn.Identity()
-    return model
-
-
-def cannot_take(arch: str, image_size: int, error: Exception) -> str:
-    """The line for a model that cannot take image_size, naming the smallest multiple of 8 that works."""
-    line = f"--arch {arch} cannot take {image_size}x{image_size} images ({first_line(error)})"
-    for size in range(image_size // 8 * 8 + 8, 520, 8):
-        with contextlib.suppress(Exception), torch.no_grad():
-            torchvision_model(arch, 2, size).eval()(torch.zeros(1, 3, size, size))
-            return f"{line}: use --image-size {size} or another --arch"
-    return f"{line}: use another --arch"
-
-
 # ------------------------------------------------------------- metering ----
 
 class Meter:
-    """An epoch's sums (on the device; reduced when read) of loss x samples, correct and scored class targets,
-    and samples; its time and data wait. Accuracy is scored where targets are class indices, else None."""
+    """An epoch's sums (on the device; reduced when read) of loss and the items it is over (samples for a mean
+    loss, the count of a (sum, count) pair), correct and scored class targets, and samples; its time and data
+    wait. Accuracy is scored where targets are class indices, else None."""
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
         self.start, self.data_wait = time.perf_counter(), 0.0
 
-    def update(self, loss: torch.Tensor, outputs, targets) -> None:
-        n, correct, scored = batch_len(targets), self.sums.new_zeros(()), self.sums.new_zeros(())
-        if class_indices(outputs, targets) and outputs.shape[1] > 1:
-            valid = (targets >= 0) & (targets < outputs.shape[1])  # not a segmentation's "ignore" label
-            correct, scored = ((outputs.argmax(1) == targets) & valid).sum(), valid.sum()
-        self.sums += torch.stack([loss.detach().double() * n, correct.double(), scored.double(),
-                                  self.sums.new_full((), n)])
+    def update(self, loss, outputs, targets, samples: int) -> None:
+        total, items = (loss * samples, samples) if isinstance(loss, torch.Tensor) else loss
+        scores, correct, scored = logits(outputs), self.sums.new_zeros(()), self.sums.new_zeros(())
+        if class_indices(scores, targets) and scores.shape[1] > 1:
+            valid = (targets >= 0) & (targets < scores.shape[1])  # not a segmentation's "ignore" label
+            correct, scored = ((scores.argmax(1) == targets) & valid).sum(), valid.sum()
+        items = torch.as_tensor(items, dtype=torch.float64, device=self.sums.device)
+        self.sums += torch.stack([total.detach().double(), items, correct.double(), scored.double(),
+                                  self.sums.new_tensor(samples)])
 
     def reduce(self) -> tuple[float, float | None, int]:
-        """(mean loss, accuracy or None, samples) over all ranks; a collective: call on every rank."""
+        """(mean loss per item, accuracy or None, samples) over all ranks; a collective: call on every rank."""
         sums = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(sums)  # a sum over ranks
-        loss_sum, correct, scored, count = sums.tolist()
-        return loss_sum / max(count, 1), correct / scored if scored else None, int(count)
+        loss_sum, items, correct, scored, samples = sums.tolist()
+        return loss_sum / max(items, 1), correct / scored if scored else None, int(samples)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -496,45 +395,61 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
     """A NaN or infinite loss or weight stops every rank, checked where the run reads them anyway: before a progress
     line (model None) or a save, so that nothing diverged is logged or written over a finite checkpoint."""
     losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
-    if all(map(math.isfinite, losses)) and (model is None or all(p.isfinite().all() for p in model.parameters())):
+    if all(map(math.isfinite, losses)) and (model is None or all(local(p).isfinite().all() for p in model.parameters())):
         return
     where = f"by step {step} of epoch {epoch + 1}" if step else f"in epoch {epoch}"
-    clip = ", or use --clip-grad" if hasattr(args, "clip_grad") else ""
+    clip = "" if args.clip_grad else ", or use --clip-grad"
     raise UsageError(f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr (peak "
                      f"{args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite checkpoints were saved")
 
 
-def check_first_step(model: nn.Module, inputs, targets, compute_loss: Callable, dataset: Dataset, args,
+def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callable, args, device: torch.device,
                      unused_ok: bool) -> float:
-    """A training step's forward and backward pass of two samples of a real batch (in float32: small, whatever the
-    precision of training), undone, before training: what would fail or learn nothing later ends every rank here
-    with one line, and the first batch's labels are checked. Returns the FLOPs per sample."""
+    """A training step's forward and backward pass of two samples of the training loader (collated as it collates
+    them; in float32: small, whatever the precision of training), undone, before training: what would fail or learn
+    nothing later ends every rank here with one line, and the first batch's labels are checked. Returns the FLOPs
+    per sample."""
     with errors_shared_by_all_ranks():  # one rank's bad batch ends every rank with its line
-        buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
-        rng_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(rng_devices), torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        samples, batch = loader.collate_fn([loader.dataset[i] for i in itertools.islice(loader.sampler, 2)])
+        inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
+    buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
+    rng_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    count_flops = torch.utils.flop_counter.FlopCounterMode  # not around our own collectives: it sees every op
+    with torch.random.fork_rng(rng_devices):
+        with errors_shared_by_all_ranks():  # before backward(), a collective under FSDP, on every rank or none
             try:
-                outputs = model.train()(first(inputs, 2))
+                with count_flops(display=False) as forward_flops:
+                    outputs = forward(model.train(), inputs)
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
-                if hasattr(dataset, "batch_transform"):  # built-in images and models: name a size that works
-                    raise UsageError(cannot_take(args.arch, args.image_size, e)) from None
                 raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
             if is_default_loss(compute_loss):  # on a GPU a bad label is a device-side assert that kills the process
-                check_class_targets(outputs, targets)
-            loss = compute_loss(outputs, first(targets, 2))
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise UsageError(f"compute_loss must return a scalar tensor, not {what}: reduce it, e.g. with .mean()")
-            loss.backward()
-        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-        model.zero_grad(set_to_none=True)
-        for buffer, saved in zip(model.buffers(), buffers):
-            buffer.copy_(saved)
-        if unused and not unused_ok:
-            names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
-            raise UsageError(f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP "
-                             f"train such a model, or leave them out of it")
-    return counter.get_total_flops() / batch_len(first(inputs, 2))
+                _, first_batch = next(iter(loader))
+                check_class_targets(outputs, batch_to_device(first_batch, device, loader.dataset)[1])
+            loss = compute_loss(outputs, targets)
+            check_loss(loss)
+        with count_flops(display=False) as backward_flops:
+            (loss if isinstance(loss, torch.Tensor) else loss[0]).backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    for buffer, saved in zip(model.buffers(), buffers):
+        buffer.copy_(saved)
+    if unused and not unused_ok:  # alike on every rank: the same model and code
+        names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+        raise UsageError(f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP "
+                         f"train such a model, or leave them out of it")
+    return (forward_flops.get_total_flops() + backward_flops.get_total_flops()) / samples
+
+
+def check_loss(loss) -> None:
+    """compute_loss gives a scalar tensor (the batch's mean) or a pair (a scalar sum, its count)."""
+    pair = isinstance(loss, (tuple, list)) and len(loss) == 2
+    total, count = loss if pair else (loss, 1)
+    if not (isinstance(total, torch.Tensor) and total.dim() == 0 and (isinstance(count, int) or (
+            isinstance(count, torch.Tensor) and count.numel() == 1))):
+        describe = lambda x: f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__  # noqa
+        what = f"({describe(total)}, {describe(count)})" if pair else describe(loss)
+        raise UsageError(f"compute_loss must return a scalar tensor or a (sum, count) pair, not {what}: reduce it, "
+                         f"e.g. with .mean()")
 
 
 def check_class_targets(outputs, targets) -> None:
@@ -550,6 +465,21 @@ def check_class_targets(outputs, targets) -> None:
                              f"the model's {classes} outputs: check num_classes, or replace compute_loss")
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of an FSDP parameter (a DTensor), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def model_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The model state this rank holds, in MB, from its own tensors: parameters (its shards under FSDP), gradients
+    (one of each trainable parameter's size) and the optimizer's state."""
+    mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
+    params = list(model.parameters())
+    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return dict(params_mb=mb(params), grads_mb=mb(p for p in params if p.requires_grad),
+                optimizer_mb=mb(optimizer_state))
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak GPU memory allocated by this process, or its peak resident memory on CPU."""
     if device.type == "cuda":
@@ -558,6 +488,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ------------------------------------------------- checkpoints and metrics ----
+
+def build_optimizer(params, args) -> torch.optim.Optimizer:
+    """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float) -> torch.optim.lr_scheduler.LambdaLR:
     """A linear rise over the first `warmup` part of `steps`, then a cosine decay to 0; stepped per step."""
@@ -628,7 +565,8 @@ def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
     """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
     indices = list(loader.sampler)[batches * loader.batch_size:]
     return DataLoader(loader.dataset, loader.batch_size, sampler=indices, drop_last=loader.drop_last,
-                      num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator)
+                      collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                      generator=loader.generator)
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
@@ -655,10 +593,12 @@ def rng_states() -> dict:
     return {"rng": torch.get_rng_state(), **cuda}
 
 
-def restore(state: dict, model: nn.Module, path: Path, arch: str, **stateful) -> None:
+def restore(state: dict, model: nn.Module, path: Path, args, **stateful) -> None:
     """Load weights and every other state (optimizer, scheduler, scaler) from a checkpoint."""
-    if state.get("arch", arch) != arch:
-        raise UsageError(f"{path} holds a {state['arch']} model, not --arch {arch}: use another --output-dir")
+    for flag, saved, value in (("--arch", state.get("arch"), args.arch),
+                               ("--optimizer", state.get("optimizer_name"), args.optimizer)):
+        if saved not in (None, value):
+            raise UsageError(f"{path} was written with {flag} {saved}, not {flag} {value}: use another --output-dir")
     try:
         unwrap(model).load_state_dict(state["model"])
         for name, obj in stateful.items():

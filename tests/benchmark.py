@@ -57,6 +57,7 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case("accumulation K=4 with no_sync", "distributed_grad_accum.py", 2, ["--accum-steps", "4"]),
             Case("accumulation K=4, all-reduce every micro-batch", "distributed_grad_accum.py", 2,
                  ["--accum-steps", "4", "--sync-every-micro-batch"]),
+            Case("FSDP, 2 processes", "distributed_fsdp.py", 2),
         ]
     cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
     return [
@@ -77,6 +78,8 @@ def cases(quick: bool, gpus: int) -> list[Case]:
         Case("DDP + AMP bfloat16 + channels_last + max-autotune", "distributed_amp.py", n,
              [*bf16, *cl, "--compile-mode", "max-autotune"]),
         Case("DDP fp32, accumulation K=2", "distributed_grad_accum.py", n, ["--accum-steps", "2"]),
+        Case("FSDP fp32", "distributed_fsdp.py", n),
+        Case("FSDP bfloat16 + channels_last", "distributed_fsdp.py", n, [*bf16, *cl]),
     ]
 
 
@@ -124,6 +127,7 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
                 first=statistics.median(processes[0][0]["epoch_time_s"] for processes in runs),
                 images_per_s=statistics.median(statistics.mean(r) for r in rates),
                 best=max(max(r) for r in rates), tflops=last.get("tflops"),
+                state_mb=sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb")) if "params_mb" in last else None,
                 peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
                 data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
                                           for processes in runs for m in processes[0][1:]))
@@ -131,13 +135,14 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
 
 def table(rows: list[tuple[Case, dict]], batch: int) -> str:
     lines = ["| approach | processes | global batch | s/epoch median (min-max) | first epoch s | images/s "
-             "| TFLOP/s | peak memory MB | data wait | val acc |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| TFLOP/s | peak memory MB | model state MB per rank | data wait | val acc |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for case, s in rows:
         b = f"2 x {batch // 2}" if case.launcher == "pair" else str(batch)
         tflops = "-" if s["tflops"] is None else f"{s['tflops']:.2f}"
+        state = "-" if s["state_mb"] is None else f"{s['state_mb']:.2f}"  # parameters, gradients, optimizer
         lines.append(f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
-                     f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} "
+                     f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} | {state} "
                      f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |")
     return "\n".join(lines)
 
@@ -188,7 +193,15 @@ def cpu_ratios(results: dict[str, dict]) -> str:
         f"time per image against the same training without DDP (goal <= 3%)",
         f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
         f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
+        fsdp_ratio(results, "FSDP, 2 processes", "DDP, 2 processes"),
         textbook_ratio(results, "DDP, 2 processes")])
+
+
+def fsdp_ratio(results: dict[str, dict], fsdp: str, ddp: str) -> str:
+    """What sharding costs in speed and saves in model state per rank, against DDP with the same processes."""
+    a, b = results[fsdp], results[ddp]
+    return (f"- FSDP against DDP, same processes: {a['best'] / b['best']:.2f}x images/s, "
+            f"{a['state_mb'] / b['state_mb']:.2f}x model state per rank")
 
 
 def hardware() -> str:
@@ -248,6 +261,8 @@ def main() -> None:
         print("\n" + cpu_ratios(results))
     elif any(name.startswith(TEXTBOOK) for name in results) and len(results) > 1:
         print("\n" + textbook_ratio(results, "DDP + AMP float16"))
+        if {"FSDP fp32", "DDP fp32"} <= results.keys():
+            print(fsdp_ratio(results, "FSDP fp32", "DDP fp32"))
     print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {' '.join(sys.argv[1:])}")
     if args.chart:
         Path(args.chart).write_text(chart([(c, results[c.name]) for c in selected],

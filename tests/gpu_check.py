@@ -1,5 +1,5 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler,
-SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a clean end), for a machine with a GPU. CI has
+FSDP, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a clean end), for a machine with a GPU. CI has
 none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails."""
 from __future__ import annotations
@@ -61,6 +61,14 @@ def main() -> None:
     same_scale = metrics(tmp / "straight")[-1]["loss_scale"] == metrics(tmp / "resumed")[-1]["loss_scale"]
     check("float16 continued run == uninterrupted (scaler state too)", d <= 1e-4 and same_scale,
           f"max weight difference {d:.2e}, same loss scale {same_scale}")
+    run(torchrun(1, "distributed_fsdp.py", *exact, "--output-dir", tmp / "fsdp"))
+    full = torch.load(tmp / "fsdp" / "model.pt", weights_only=True)
+    d = max((full[k].double() - w.double()).abs().max().item() for k, w in weights(tmp / "ddp").items())
+    check("distributed_fsdp.py (nccl, fp32) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    run(torchrun(1, "distributed_fsdp.py", *exact, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
+    m = metrics(tmp / "fsdp-bf16")[-1]
+    check("FSDP bfloat16 (MixedPrecisionPolicy) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
+          f"model state {m['params_mb'] + m['grads_mb'] + m['optimizer_mb']:.2f} MB per rank")
     resnet = ["--dataset", "fake", "--arch", "resnet18", "--fake-size", "2048", "--batch-size", "128",
               "--epochs", "2", "--workers", "2"]
     run(torchrun(1, "distributed.py", *resnet, "--sync-bn", "--output-dir", tmp / "syncbn"))

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import builtin  # noqa: E402
 import utils  # noqa: E402
 from processes import free_port  # noqa: E402
 
@@ -41,7 +42,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(args, device: torch.device) -> torch.nn.Module:
-    model = utils.builtin_model(args.arch, 10, args.image_size)
+    model = builtin.model(args.arch, 10, args.image_size)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
@@ -68,7 +69,7 @@ def main() -> None:
     dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
-    finish = utils.ImageBatchTransform(seed=0, padding=args.image_size // 8)  # crop, flip, normalise
+    finish = builtin.ImageBatchTransform(seed=0, padding=args.image_size // 8)  # crop, flip, normalise
 
     def step() -> None:
         x = finish(images, key=(0, 0))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
+import builtin
 import utils
 
 
@@ -24,7 +25,7 @@ def test_batched_crop_and_flip_equal_torchvision_per_image(size, padding):
     top = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
     left = torch.arange(n) % (2 * padding + 1)  # every left edge, both flipped and not
     flip = torch.arange(n) // (2 * padding + 1) % 2 == 1
-    out = utils.random_crop_flip(images, top, left, flip, padding)
+    out = builtin.random_crop_flip(images, top, left, flip, padding)
     for i in range(n):
         expected = torchvision_crop_flip(images[i], int(top[i]), int(left[i]), bool(flip[i]), padding)
         assert torch.equal(out[i], expected), f"image {i}: top {top[i]}, left {left[i]}, flip {flip[i]}"
@@ -33,8 +34,8 @@ def test_batched_crop_and_flip_equal_torchvision_per_image(size, padding):
 def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch):
     """Rank r of W holds images r, r+W, ... of a global batch (DistributedSampler's order) and must
     crop and flip each as one process holding the whole batch does."""
-    images = utils.fake_images(64, 16, "train").tensors[0]
-    transform = utils.ImageBatchTransform(seed=3, padding=2)
+    images = builtin.fake_images(64, 16, "train").tensors[0]
+    transform = builtin.ImageBatchTransform(seed=3, padding=2)
     whole = transform(images, key=(0, 5))
     monkeypatch.setattr(utils.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(utils.dist, "get_world_size", lambda: 4)
@@ -48,5 +49,5 @@ def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch)
     assert changed(whole, raw) > 50
     assert changed(whole, transform(images, key=(1, 5))) > 50  # another epoch
     assert changed(whole, transform(images, key=(0, 6))) > 50  # another step
-    assert changed(whole, utils.ImageBatchTransform(4, 2)(images, key=(0, 5))) > 50  # another seed
-    assert torch.equal(whole, utils.ImageBatchTransform(3, 2)(images, key=(0, 5)))  # and nothing else
+    assert changed(whole, builtin.ImageBatchTransform(4, 2)(images, key=(0, 5))) > 50  # another seed
+    assert torch.equal(whole, builtin.ImageBatchTransform(3, 2)(images, key=(0, 5)))  # and nothing else

@@ -11,6 +11,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import distributed
+import builtin
 import utils
 
 from processes import (PYTHON, ROOT, TINY, free_port, max_weight_difference, metrics, python, run,
@@ -95,14 +96,15 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
                  "--image-size", "16", "--batch-size", "32", "--epochs", "1", "--workers", "0",
                  "--output-dir", out))
     logged = metrics(out)[-1]
-    model = utils.builtin_model("resnet18", 10, 16)
+    model = builtin.model("resnet18", 10, 16)
     model.load_state_dict(weights(out))
     args = argparse.Namespace(dataset="fake", fake_size=210, image_size=16, seed=0, no_augment=False,
                               channels_last=False)
-    _, val_set, _ = utils.builtin_datasets(args)
+    _, val_set, _ = builtin.datasets(args)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:  # a world of one in this process, as the script has
-        scored = distributed.evaluate(model, DataLoader(val_set, 64), args, torch.device("cpu"))
+        loader = DataLoader(val_set, 64, collate_fn=utils.Counted(distributed.collate))  # as the script makes it
+        scored = distributed.evaluate(model, loader, args, torch.device("cpu"))
     finally:
         torch.distributed.destroy_process_group()
     assert scored["val_images"] == logged["val_images"] == 42
@@ -182,7 +184,7 @@ BAD_INPUTS = {
     "missing cifar, no download": (lambda t: ["--dataset", "cifar10", "--data-dir", t,
                                               "--no-download"], "cifar10 not found"),
     "corrupt checkpoint": (corrupt_checkpoint, "is not a readable checkpoint"),
-    "checkpoint of another arch": (other_arch_checkpoint, "holds a tiny model"),
+    "checkpoint of another arch": (other_arch_checkpoint, "was written with --arch tiny, not --arch resnet18"),
     "sync-bn on cpu": (lambda t: ["--sync-bn"], "--sync-bn needs GPUs"),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
 }

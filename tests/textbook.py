@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import utils  # noqa: E402  (the same fake images, model and learning-rate schedule as the scripts)
+import builtin  # noqa: E402  (the same fake images and model as the scripts)
+import utils  # noqa: E402  (and the same flags and learning-rate schedule)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E4
 class CIFARStyle(Dataset):
     """What torchvision's CIFAR10 does per item: an HWC uint8 array to a PIL image, then the transform."""
 
-    def __init__(self, images: utils.ImageTensors, transform):
+    def __init__(self, images: builtin.ImageTensors, transform):
         self.data = images.tensors[0].permute(0, 2, 3, 1).numpy()
         self.targets, self.transform = images.tensors[1].tolist(), transform
 
@@ -64,11 +65,11 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     workers = args.workers
 
-    normalize = T.Normalize(utils.CIFAR_MEAN, utils.CIFAR_STD)
+    normalize = T.Normalize(builtin.CIFAR_MEAN, builtin.CIFAR_STD)
     train_tf = T.Compose([T.RandomCrop(args.image_size, padding=args.image_size // 8), T.RandomHorizontalFlip(),
                           T.ToTensor(), normalize])
-    train_set = CIFARStyle(utils.fake_images(args.fake_size, args.image_size, "train"), train_tf)
-    val_set = CIFARStyle(utils.fake_images(args.fake_size // utils.FAKE_VAL_FRACTION, args.image_size, "val"),
+    train_set = CIFARStyle(builtin.fake_images(args.fake_size, args.image_size, "train"), train_tf)
+    val_set = CIFARStyle(builtin.fake_images(args.fake_size // builtin.FAKE_VAL_FRACTION, args.image_size, "val"),
                          T.Compose([T.ToTensor(), normalize]))
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     batch = args.batch_size // world_size
@@ -77,7 +78,7 @@ def main() -> None:
     val_loader = DataLoader(val_set, batch, sampler=DistributedSampler(val_set, shuffle=False), num_workers=workers)
 
     torch.manual_seed(args.seed)
-    model = utils.builtin_model(args.arch, utils.FAKE_CLASSES, args.image_size).to(device)
+    model = builtin.model(args.arch, builtin.FAKE_CLASSES, args.image_size).to(device)
     model = DDP(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)

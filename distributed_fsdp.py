@@ -1,0 +1,374 @@
+"""Fully sharded data parallel (FSDP2): the model state sharded over all processes.
+
+    torchrun --standalone --nproc_per_node=8 distributed_fsdp.py --optimizer adamw --amp-dtype bfloat16
+    torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --dataset fake --arch tiny   # CPU, gloo
+
+DDP keeps the whole model, its gradients and its optimizer state on every GPU;
+FSDP keeps 1/N of each on each of N GPUs. A block's weights are all-gathered
+just before its forward (and again before its backward) and freed after; its
+gradients are reduce-scattered, so that each rank updates only its shard.
+Every rank still trains on its own share of every batch: data parallelism,
+with the model's memory spread over the GPUs. Checkpoints are sharded too:
+every rank writes its part of checkpoint/, and any number of processes can
+continue from it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
+from utils import UsageError, log
+
+
+# ---- your data, model and task: replace these four bodies, nothing else ----
+
+def build_datasets(args):
+    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches of."""
+    import builtin  # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes: int) -> nn.Module:
+    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models take
+    them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
+    import builtin  # --arch: tiny or a torchvision classifier
+    return builtin.model(args.arch, num_classes, args.image_size)
+
+
+def compute_loss(outputs, targets):
+    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens, pixels) and
+    how many items it sums, for the exact mean over all ranks. Accuracy is logged where targets are class indices."""
+    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
+
+
+def collate(samples: list):
+    """One batch (inputs, targets) from a list of samples, each a tensor or a tuple, list or dict of
+    tensors (nested): stacked here; pad samples of different lengths (text) in your own."""
+    return default_collate(samples)
+
+
+# ---- the approach ----
+
+def parse_args():
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=0,
+                        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise")
+    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16"], default=None,
+                        help="compute in this precision (FSDP's MixedPrecisionPolicy; default: float32)")
+    parser.add_argument("--init-scale", type=float, default=2.0**16,
+                        help="the gradient scaler's first loss scale (float16 only)")
+    args = parser.parse_args()
+    utils.check_args(args)
+    return args
+
+
+def setup_distributed(args) -> tuple[int, int, int, torch.device]:
+    """Join the process group: (rank, local rank, world size, device)."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
+        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+                   LOCAL_RANK=env["SLURM_LOCALID"])
+        env.setdefault("MASTER_ADDR", utils.slurm_master_addr(
+            env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+        env.setdefault("MASTER_PORT", str(args.port or 29500))
+    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"local rank {local_rank}, but this node has "
+                             f"{torch.cuda.device_count()} GPUs: start one process per GPU")
+        torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if args.dist_url:
+        init_method = args.dist_url
+    elif args.ip or args.port:
+        init_method = f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
+    elif "MASTER_ADDR" in env:
+        init_method = "env://"  # torchrun, torch.distributed.launch, Slurm
+    else:
+        init_method = None  # plain `python distributed.py`: a world of one
+    timeout = timedelta(seconds=args.timeout)
+    try:
+        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        # device_id binds the group to this GPU: no guessing (and warning) at barrier()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+    return rank, local_rank, world_size, device
+
+
+def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
+                  device) -> tuple[DataLoader, DataLoader]:
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
+    common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
+                  persistent_workers=args.workers > 0)
+    # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
+    # dropped so that every rank takes the same number of steps
+    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
+                                       drop_last=True)
+    # its own generator for worker seeds: the global random stream stays the model's (dropout)
+    train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
+                              generator=torch.Generator(), **common)
+    # validation: rank r takes images r, r+W, r+2W, ...: every image exactly once
+    # (DistributedSampler would pad the last shard with repeated images)
+    val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
+    if len(train_loader) == 0:
+        raise UsageError(f"{len(train_set)} training samples make no full batch of {batch_per_rank} "
+                         f"per process: lower --batch-size or use more data")
+    return train_loader, val_loader
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks to shard one by one: the entries of each outermost nn.ModuleList or nn.Sequential that hold
+    parameters (transformer layers, a ResNet stage's blocks, a Sequential's layers). An entry that shares a
+    parameter with a module outside it (a language model's head tied to its embedding) stays with the root."""
+    owners: dict[nn.Parameter, list[str]] = {}  # each parameter, and every name it is registered under
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(parameter, []).append(name)
+    units, containers = [], []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") or not c for c in containers) or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        containers.append(name)
+        for child_name, child in module.named_children():
+            prefix = f"{name}.{child_name}." if name else f"{child_name}."
+            parameters = list(child.parameters())
+            if parameters and all(n.startswith(prefix) for p in parameters for n in owners[p]):
+                units.append(child)
+    return units
+
+
+def shard_model(model: nn.Module, amp_dtype: torch.dtype | None) -> nn.Module:
+    """fully_shard each block, then the root (what is left: embeddings, a head). Replace it to choose other units."""
+    # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in float32 for the loss
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+    for block in sharding_units(model):
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32,
+                                                             output_dtype=torch.float32 if amp_dtype else None))
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
+                    stop, save) -> dict:
+    model.train()
+    meter = utils.Meter(device)
+    steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
+    for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
+                                                key=(epoch, step))
+        outputs = utils.forward(model, inputs)
+        loss = compute_loss(outputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's gradients here:
+        # every rank keeps the mean gradient of its own shard
+        scaler.scale(utils.loss_for_backward(loss)).backward()
+        if args.clip_grad:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # the norm over all shards
+        scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
+        scaler.update()
+        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+        meter.update(loss, outputs, targets, samples)
+        if step % args.print_freq == 0:  # and a diverged run stops here
+            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
+        signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
+        if signum or (args.save_every and step % args.save_every == 0):
+            save(epoch, step, final=bool(signum))  # this point of the epoch: the same command continues from here
+        if signum:
+            raise utils.Stopped(signum, epoch, step, steps)
+    train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
+    seconds = meter.elapsed()
+    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
+                images_per_s=samples / seconds, data_wait_s=meter.data_wait)
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, device) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted once."""
+    for buffer in model.buffers():  # rank 0's batch-norm statistics, the checkpoint's, on every rank
+        dist.broadcast(buffer, 0)
+    model.eval()
+    meter = utils.Meter(device)
+    # every forward all-gathers weights from every rank, but shards may differ by one batch: a rank whose
+    # shard has ended joins with a spare batch that counts for nothing
+    batches = math.ceil(math.ceil(len(loader.dataset) / dist.get_world_size()) / loader.batch_size)
+    spare = (0, loader.collate_fn([loader.dataset[0]])[1])
+    shard = iter(loader)
+    for _ in range(batches):
+        samples, batch = next(shard, spare)
+        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        outputs = utils.forward(model, inputs)
+        if samples:
+            meter.update(compute_loss(outputs, targets), outputs, targets, samples)
+    utils.unwrap(model).reshard()  # the root keeps its weights gathered after forward, for a backward: free them
+    val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
+    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
+
+
+def save_sharded(state: dict, directory: Path, rank: int) -> None:
+    """Every rank writes its shards into a new directory at once; rank 0 then puts it in place of the last one, so
+    that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
+    new, old = directory.with_name(directory.name + ".new"), directory.with_name(directory.name + ".old")
+    try:
+        dcp.save(state, checkpoint_id=new)
+    except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
+        raise next(error for error, _ in e.failures.values()) from None
+    if rank == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(new, directory)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(directory: Path, rank: int) -> str | None:
+    """The last complete sharded checkpoint, as rank 0 sees it: checkpoint/, or checkpoint.old/ after a kill
+    between save_sharded's two renames; None if there is none."""
+    old = directory.with_name(directory.name + ".old")
+    path = [next((str(d) for d in (directory, old) if rank == 0 and (d / ".metadata").exists()), None)]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def load_sharded(path: str, state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Fill state (and the model and optimizer) from a checkpoint written by any number of processes."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if any(key.startswith("optimizer.state.") for key in saved):  # none before the first optimizer step
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # what to load into: this rank's shards
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # a missing key, another model: many types
+        raise UsageError(f"{path} does not fit this model or these flags ({utils.first_line(e)}): use another "
+                         f"--output-dir") from None
+    set_model_state_dict(model, state["model"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def main():
+    args = parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args)
+    utils.setup_logging(rank)
+    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    output_dir = Path(args.output_dir)
+    checkpoint_dir = output_dir / "checkpoint"
+    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+        if rank == 0:
+            utils.check_output_dir(output_dir)
+            shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)  # a killed write's
+    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
+    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
+             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "
+             f"weight decay {args.weight_decay:g}, compute in {amp_dtype or torch.float32}")
+
+    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
+    torch.manual_seed(args.seed)  # identical initial weights on every rank: each keeps its shard of them
+    train_set, val_set, num_classes = build_datasets(args)
+    train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
+                                             world_size, device)
+    model = build_model(args, num_classes)
+    if args.sync_bn or args.find_unused_parameters:
+        raise UsageError("--sync-bn and --find-unused-parameters are DDP's: FSDP shards normalisation statistics "
+                         "with nothing and trains parameters without gradient as they are; use distributed.py")
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+    # each block moves to the device and keeps 1/world_size of its weights there: the whole model never does
+    model = shard_model(model, amp_dtype).to(device)
+    # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
+    flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device, unused_ok=True)
+    if args.compile:
+        model = torch.compile(model, mode=args.compile_mode)
+    module = utils.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
+    optimizer = utils.build_optimizer(model.parameters(), args)  # over this rank's shards only
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
+    # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
+    scaler = ShardedGradScaler(device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16)
+    metrics_path = output_dir / "metrics.jsonl"
+
+    def training_state() -> dict:
+        """What continues the run exactly: every rank its own shards of the model and the optimizer, the rest once.
+        An optimizer without state (no step taken yet) saves none: asked for it, PyTorch would make one with a step
+        of its own."""
+        optimizer_state = {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
+        return {"model": get_model_state_dict(module), **optimizer_state, "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(), "arch": args.arch, "optimizer_name": args.optimizer,
+                "epoch": 0, "step": 0, "seed": args.seed, **utils.rng_states()}
+
+    def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
+        """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every rank."""
+        with utils.errors_shared_by_all_ranks():
+            utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
+        with utils.errors_shared_by_all_ranks():
+            if rank == 0 and record:  # first: a crash before the checkpoint is written redoes the epoch
+                utils.append_metrics(metrics_path, record)
+            save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
+        if final:  # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
+            weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            with utils.errors_shared_by_all_ranks():
+                if rank == 0:
+                    utils.save_checkpoint(weights, output_dir / "model.pt")
+
+    path = latest_checkpoint(checkpoint_dir, rank)
+    start_epoch, first_step = 0, 0
+    if path:
+        state = training_state()
+        with utils.errors_shared_by_all_ranks():
+            load_sharded(path, state, module, optimizer)
+        for flag, saved, value in (("--arch", state["arch"], args.arch),
+                                   ("--optimizer", state["optimizer_name"], args.optimizer)):
+            if saved != value:
+                raise UsageError(f"{path} was written with {flag} {saved}, not {flag} {value}: use another "
+                                 f"--output-dir")
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        start_epoch, first_step = state["epoch"], state["step"]
+        log.info(f"continuing from {path}: {start_epoch} of {args.epochs} epochs done"
+                 + (f" and {first_step} steps of the next" if first_step else ""))
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0:
+            utils.start_metrics(metrics_path, start_epoch)
+
+    last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
+    for epoch in range(start_epoch, last_epoch):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        # continued mid-epoch: the same order, without the batches already trained on
+        loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
+        record = train_one_epoch(model, loader, optimizer, scheduler, scaler, epoch, first_step, args, device,
+                                 stop, save)
+        first_step = 0
+        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
+                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
+                      peak_mem_mb=utils.peak_memory_mb(device), **utils.model_state_mb(model, optimizer),
+                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
+        save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
+        utils.log_epoch(record, args.epochs)
+    dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    utils.run_main(main)

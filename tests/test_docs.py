@@ -1,0 +1,71 @@
+"""The README and docs/ stay true: links and images resolve, the tests they name exist, and every script and flag
+that their commands name exists (the script's --help lists the flag)."""
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from processes import PYTHON, ROOT, run
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def code_lines(page: Path) -> list[str]:
+    """The lines of a page's code: indented blocks, fenced blocks, and inline commands (`python ...`)."""
+    lines, fenced = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            lines.append(line.strip())
+    text = page.read_text().replace("\n", " ")
+    return lines + re.findall(r"`((?:python|torchrun|srun) [^`]+)`", text)
+
+
+def commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(script, its flags) of each command line that runs one of our scripts."""
+    found = []
+    for line in code_lines(page):
+        line = line.split(" #")[0].replace("$SCRATCH", "scratch")  # comments; a shell variable shlex keeps
+        words = shlex.split(line.split("&&")[-1]) if not line.startswith(("#", "def ", "return ")) else []
+        script = next((w for w in words if w.endswith(".py") and (ROOT / w).is_file()), None)
+        if script:
+            flags = [w.split("=")[0].replace("_", "-") for w in words[words.index(script) + 1:] if w.startswith("--")]
+            found.append((script, flags))
+    return found
+
+
+@cache
+def help_text(script: str) -> str:
+    return run([PYTHON, script, "--help"], timeout=120).stdout
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_and_images_resolve(page):
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    local = [t for t in targets if not re.match(r"[a-z]+://", t)]
+    missing = [t for t in local if not (page.parent / t).exists()]
+    assert not missing, f"{page.name}: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_tests_named_exist(page):
+    named = re.findall(r"(tests/[\w/]+\.py)::(\w+)", page.read_text())
+    for path, name in named:
+        functions = {node.name for node in ast.parse((ROOT / path).read_text()).body
+                     if isinstance(node, ast.FunctionDef)}
+        assert name in functions, f"{page.name} names {path}::{name}, which does not exist"
+
+
+def test_every_script_and_flag_in_the_commands_exists():
+    named = [(page.name, script, flags) for page in PAGES for script, flags in commands(page)]
+    assert len(named) >= 20 and {"distributed.py", "distributed_fsdp.py", "tests/benchmark.py"} <= {
+        script for _, script, _ in named}  # the parser finds the commands
+    for page, script, flags in named:
+        unknown = [f for f in flags if not re.search(rf"{re.escape(f)}\b", help_text(script))]
+        assert not unknown, f"{page}: {script} has no {unknown}"

@@ -1,0 +1,166 @@
+"""distributed_fsdp.py: fully sharded data parallel trains what distributed.py trains, holds about 1/N of the model
+state per rank, and its sharded checkpoint continues on another number of processes and after SIGTERM."""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import builtin
+from processes import TINY, finish, free_port, metrics, python, run, run_parallel, start, torchrun, wait_for, weights
+from test_your_own_data import copy_with_your_functions, launch, users_code
+
+EXACT = [*TINY, "--no-augment"]  # the reference job of conftest.py
+
+
+def full_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
+
+
+def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory) -> dict[str, Path]:
+    """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1."""
+    base = tmp_path_factory.mktemp("fsdp")
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", base / "two"))
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, "--stop-after", "2", "--output-dir", base / "two-then-one"))
+    run(python("distributed_fsdp.py", *EXACT, "--output-dir", base / "two-then-one"))
+    return {"two": base / "two", "two then one": base / "two-then-one"}
+
+
+def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
+    d = difference(full_weights(fsdp["two"]), weights(reference["one"]))
+    print(f"FSDP, 2 processes vs distributed.py, 1 process: max weight difference {d:.1e}")
+    assert d <= 1e-5
+    for a, b in zip(metrics(fsdp["two"]), metrics(reference["one"])):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5) and a["val_images"] == b["val_images"] == 207
+    # every rank wrote its own shard; the full weights have plain keys and load into the plain model
+    assert sorted(p.name for p in (fsdp["two"] / "checkpoint").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                              "__1_0.distcp"]
+    model = builtin.model("tiny", 10, 16)
+    model.load_state_dict(full_weights(fsdp["two"]))
+
+
+def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
+    sharded, whole = metrics(fsdp["two"])[-1], metrics(reference["two"])[-1]
+    state = {k: (sharded[k], whole[k]) for k in ("params_mb", "grads_mb", "optimizer_mb")}
+    print("MB per rank on 2 processes, FSDP vs DDP:", {k: f"{a:.4f} vs {b:.4f}" for k, (a, b) in state.items()})
+    for a, b in state.values():
+        assert 0.45 <= a / b <= 0.55  # half, but for a shard rounded up by a few elements
+
+
+def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
+    out = fsdp["two then one"]
+    assert [m["world_size"] for m in metrics(out)] == [2, 2, 1]
+    d = difference(full_weights(out), full_weights(fsdp["two"]))
+    print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
+    assert d <= 1e-5
+
+
+def test_bfloat16_learns(tmp_path):
+    out = tmp_path / "bf16"
+    result = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--amp-dtype", "bfloat16", "--output-dir", out))
+    assert "compute in torch.bfloat16" in result.stdout
+    assert metrics(out)[-1]["val_acc"] > 0.5, metrics(out)  # chance is 0.1
+
+
+def test_sigterm_mid_epoch_continues_exactly(tmp_path):
+    """Two ranks started by hand (as srun starts them), SIGTERM to one: both stop after the same step, the sharded
+    checkpoint and model.pt are written, and the same command continues to the weights of a straight run."""
+    def by_hand(out, port):
+        return [(python("distributed_fsdp.py", *EXACT, "--fake-size", "3000", "--epochs", "1", "--save-every", "5",
+                        "--ip", "127.0.0.1", "--port", port, "--output-dir", out),
+                 {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    run_parallel(by_hand(tmp_path / "straight", free_port()))
+    out = tmp_path / "preempted"
+    ranks = [start(cmd, env) for cmd, env in by_hand(out, free_port())]
+    wait_for(lambda: (out / "checkpoint" / ".metadata").exists(), 120, "the first checkpoint")
+    time.sleep(0.3)
+    assert all(proc.poll() is None for proc, _ in ranks), "finished before the signal: make the epoch longer"
+    ranks[1][0].send_signal(signal.SIGTERM)
+    results = [finish(proc, marker, timeout=60) for proc, marker in ranks]
+    assert all(r.returncode == 128 + signal.SIGTERM for r in results), results[0].stderr
+    assert results[0].stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM after step ")
+    assert (out / "model.pt").exists()  # the whole weights, also when stopped
+    second = run_parallel(by_hand(out, free_port()))
+    assert "0 of 1 epochs done and" in second[0].stdout
+    d = difference(full_weights(out), full_weights(tmp_path / "straight"))
+    print(f"continued after SIGTERM vs straight: max weight difference {d:.1e}")
+    assert d <= 1e-6
+
+
+YOUR_LANGUAGE_MODEL = '''
+from transformers import GPT2Config, GPT2LMHeadModel
+
+CONFIG = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
+
+
+class Progressions(torch.utils.data.Dataset):
+    """Sequences of 4 to 24 tokens a, a + d, a + 2d, ... (mod 62, from token 2): learnable after two tokens."""
+
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        start, step = torch.randint(0, 62, (size,), generator=generator), torch.randint(1, 4, (size,), generator=generator)
+        lengths = torch.randint(4, 25, (size,), generator=generator)
+        self.ids = [2 + (a + d * torch.arange(n)) % 62 for a, d, n in zip(start, step, lengths)]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return self.ids[index], self.ids[index]
+
+
+def build_datasets(args):
+    return Progressions(640, seed=1), Progressions(203, seed=2), 64
+
+
+def build_model(args, num_classes):
+    return GPT2LMHeadModel(CONFIG)  # its head is tied to its token embedding
+
+
+def compute_loss(outputs, targets):
+    """Next-token cross-entropy summed over the real tokens, and their count."""
+    logits, labels = outputs.logits[:, :-1], targets[:, 1:]
+    return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
+
+
+def collate(samples):
+    ids = nn.utils.rnn.pad_sequence([ids for ids, _ in samples], batch_first=True, padding_value=0)
+    labels = nn.utils.rnn.pad_sequence([ids for ids, _ in samples], batch_first=True, padding_value=-100)
+    return {"input_ids": ids, "attention_mask": (labels != -100).long()}, labels
+'''
+
+
+def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
+    """GPT-2 from a small config: its blocks are the sharding units, its head stays tied to its embedding in the
+    root unit, the (sum, count) token loss falls, and model.pt loads into a fresh GPT-2 of the config."""
+    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_LANGUAGE_MODEL)
+    out = tmp_path / "out"
+    run(launch(copy, 2, "--batch-size", "32", "--epochs", "3", "--workers", "0", "--timeout", "60",
+               "--optimizer", "adamw", "--lr", "1e-2", "--output-dir", out), cwd=tmp_path)
+    losses = [m["val_loss"] for m in metrics(out)]
+    print(f"GPT-2 under FSDP, 2 processes: validation loss per token by epoch {losses}")
+    # an untrained model's loss is about ln 64 = 4.16 a token; the ideal, about 0.4 (a sequence's first two tokens)
+    assert losses == sorted(losses, reverse=True) and losses[-1] < math.log(64) / 2, losses
+    yours = users_code(YOUR_LANGUAGE_MODEL)
+    model = yours["GPT2LMHeadModel"](yours["CONFIG"])
+    state = full_weights(out)
+    model.load_state_dict(state)
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # trained tied
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_flags_of_ddp_end_in_one_line(tmp_path):
+    result = run(python("distributed_fsdp.py", *TINY, "--sync-bn", "--output-dir", tmp_path), timeout=60, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --sync-bn and --find-unused-parameters are DDP's")
