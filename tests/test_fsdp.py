@@ -12,6 +12,7 @@ import torch
 
 import builtin
 from processes import TINY, finish, free_port, metrics, python, run, run_parallel, start, torchrun, wait_for, weights
+from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
 EXACT = [*TINY, "--no-augment"]  # the reference job of conftest.py
@@ -158,6 +159,25 @@ def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     model.load_state_dict(state)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # trained tied
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint(small_disk, fsdp):
+    """Every rank writes its shard into checkpoint.new/, so a full disk fails a write on some rank: every rank
+    ends with one line, the last complete checkpoint stays in place, and once there is space the same command
+    continues to the weights of a straight run."""
+    out = small_disk / "run"
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, "--stop-after", "1", "--output-dir", out))
+    filler = fill(small_disk, leave=16 * 1024)  # the metrics line fits, the shards do not
+    full = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out), check=False)
+    lines = [line for line in full.stderr.splitlines() if line.startswith("error: cannot write")]
+    assert full.returncode != 0 and len(lines) == 2 and "No space left on device" in lines[0], full.stderr
+    assert "distributed_fsdp.py\", line" not in full.stderr
+    print(lines[0])
+    filler.unlink()
+    second = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out))
+    assert "continuing from" in second.stdout and "1 of 3 epochs done" in second.stdout
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert difference(full_weights(out), full_weights(fsdp["two"])) <= 1e-6
 
 
 def test_flags_of_ddp_end_in_one_line(tmp_path):
