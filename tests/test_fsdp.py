@@ -67,10 +67,12 @@ def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     assert d <= 1e-5
 
 
-def test_bfloat16_learns(tmp_path):
-    out = tmp_path / "bf16"
-    result = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--amp-dtype", "bfloat16", "--output-dir", out))
-    assert "compute in torch.bfloat16" in result.stdout
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_learns(dtype, tmp_path):
+    """FSDP's MixedPrecisionPolicy computes in dtype; float16 adds the ShardedGradScaler."""
+    out = tmp_path / dtype
+    result = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", out))
+    assert f"compute in torch.{dtype}" in result.stdout
     assert metrics(out)[-1]["val_acc"] > 0.5, metrics(out)  # chance is 0.1
 
 
