@@ -144,8 +144,8 @@ def main():
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
     log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
-             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} peak lr {args.lr:.4g}, "
-             f"weight decay {args.weight_decay:g}")
+             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} "
+             f"peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts

@@ -14,6 +14,7 @@ continue from it.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -147,7 +148,8 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
         owners.setdefault(parameter, []).append(name)
     units, containers = [], []
     for name, module in model.named_modules():
-        if any(name.startswith(c + ".") or not c for c in containers) or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        inside = any(name.startswith(c + ".") or not c for c in containers)  # "" is the root: all is inside it
+        if inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         containers.append(name)
         for child_name, child in module.named_children():
@@ -232,13 +234,30 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
     try:
         dcp.save(state, checkpoint_id=new)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
-        raise next(error for error, _ in e.failures.values()) from None
+        error = next(error for error, _ in e.failures.values())
+        raise error if isinstance(error, OSError) else write_error(new) from None
     if rank == 0:
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             os.replace(directory, old)
         os.replace(new, directory)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_error(directory: Path) -> OSError:
+    """Why writing into directory fails, as the OS says it (a full disk): torch.save inside a sharded save can
+    report a short write as a C++ error."""
+    probe = directory / f".probe{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(2**20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(directory))
+    finally:
+        probe.unlink(missing_ok=True)
+    return OSError(errno.EIO, "a shard could not be written", str(directory))
 
 
 def latest_checkpoint(directory: Path, rank: int) -> str | None:
@@ -335,11 +354,7 @@ def main():
         state = training_state()
         with utils.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
-        for flag, saved, value in (("--arch", state["arch"], args.arch),
-                                   ("--optimizer", state["optimizer_name"], args.optimizer)):
-            if saved != value:
-                raise UsageError(f"{path} was written with {flag} {saved}, not {flag} {value}: use another "
-                                 f"--output-dir")
+        utils.check_written_with(state, path, args)
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])

@@ -218,8 +218,8 @@ def main():
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size * args.accum_steps,
                                             f"{world_size} processes x {args.accum_steps} micro-batches")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {args.accum_steps} x {batch_per_rank}, {args.optimizer} peak lr "
-             f"{args.lr:.4g}, weight decay {args.weight_decay:g}")
+             f"batch {args.batch_size} = {world_size} x {args.accum_steps} x {batch_per_rank}, "
+             f"{args.optimizer} peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank

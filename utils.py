@@ -150,13 +150,15 @@ def run_main(main: Callable[[], None]) -> None:
         if (status := failure_message(e)) is None:
             raise
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
-        # free them and their process groups now: left to the interpreter's shutdown, gloo's threads can abort
-        # it ("terminate called without an active exception") after a run that ended well
-        gc.collect()
+        gc.collect()  # free them and their process groups while the interpreter is whole
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    if status:
-        sys.exit(status)
+    if isinstance(status, str):
+        sys.exit(status)  # the one line (distributed_mp.py's parent reads it from the SystemExit)
+    # a run that ended or stopped well, all written: end without the interpreter's shutdown, where gloo's threads
+    # still abort about one 2-process run in 50 on PyTorch 2.14 ("terminate called without an active exception")
+    sys.stdout.flush()
+    os._exit(status)
 
 
 # --------------------------------------------------------------- logging ----
@@ -313,9 +315,8 @@ def loss_for_backward(loss) -> torch.Tensor:
 
 def logits(outputs) -> torch.Tensor | None:
     """The scores in a model's outputs: a tensor, or the logits of a dict or a Hugging Face ModelOutput."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    return outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+    return outputs if isinstance(outputs, torch.Tensor) else (
+        outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None))
 
 
 def class_indices(outputs, targets) -> bool:
@@ -394,8 +395,8 @@ def log_epoch(record: dict, epochs: int) -> None:
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
     """A NaN or infinite loss or weight stops every rank, checked where the run reads them anyway: before a progress
     line (model None) or a save, so that nothing diverged is logged or written over a finite checkpoint."""
-    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
-    if all(map(math.isfinite, losses)) and (model is None or all(local(p).isfinite().all() for p in model.parameters())):
+    finite = all(math.isfinite(value) for key, value in (record or {}).items() if key.endswith("_loss"))
+    if finite and (model is None or all(local(p).isfinite().all() for p in model.parameters())):
         return
     where = f"by step {step} of epoch {epoch + 1}" if step else f"in epoch {epoch}"
     clip = "" if args.clip_grad else ", or use --clip-grad"
@@ -475,9 +476,8 @@ def model_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     (one of each trainable parameter's size) and the optimizer's state."""
     mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
     params = list(model.parameters())
-    optimizer_state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return dict(params_mb=mb(params), grads_mb=mb(p for p in params if p.requires_grad),
-                optimizer_mb=mb(optimizer_state))
+                optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -593,12 +593,17 @@ def rng_states() -> dict:
     return {"rng": torch.get_rng_state(), **cuda}
 
 
-def restore(state: dict, model: nn.Module, path: Path, args, **stateful) -> None:
-    """Load weights and every other state (optimizer, scheduler, scaler) from a checkpoint."""
+def check_written_with(state: dict, path: Path | str, args) -> None:
+    """A checkpoint of another --arch or --optimizer ends in one line, not in a failed load or step."""
     for flag, saved, value in (("--arch", state.get("arch"), args.arch),
                                ("--optimizer", state.get("optimizer_name"), args.optimizer)):
         if saved not in (None, value):
             raise UsageError(f"{path} was written with {flag} {saved}, not {flag} {value}: use another --output-dir")
+
+
+def restore(state: dict, model: nn.Module, path: Path, args, **stateful) -> None:
+    """Load weights and every other state (optimizer, scheduler, scaler) from a checkpoint."""
+    check_written_with(state, path, args)
     try:
         unwrap(model).load_state_dict(state["model"])
         for name, obj in stateful.items():

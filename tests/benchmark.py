@@ -127,7 +127,8 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
                 first=statistics.median(processes[0][0]["epoch_time_s"] for processes in runs),
                 images_per_s=statistics.median(statistics.mean(r) for r in rates),
                 best=max(max(r) for r in rates), tflops=last.get("tflops"),
-                state_mb=sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb")) if "params_mb" in last else None,
+                state_mb=(sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
+                          if "params_mb" in last else None),
                 peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
                 data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
                                           for processes in runs for m in processes[0][1:]))

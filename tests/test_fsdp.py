@@ -112,7 +112,8 @@ class Progressions(torch.utils.data.Dataset):
 
     def __init__(self, size: int, seed: int):
         generator = torch.Generator().manual_seed(seed)
-        start, step = torch.randint(0, 62, (size,), generator=generator), torch.randint(1, 4, (size,), generator=generator)
+        start = torch.randint(0, 62, (size,), generator=generator)
+        step = torch.randint(1, 4, (size,), generator=generator)
         lengths = torch.randint(4, 25, (size,), generator=generator)
         self.ids = [2 + (a + d * torch.arange(n)) % 62 for a, d, n in zip(start, step, lengths)]
 
