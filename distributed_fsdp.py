@@ -249,10 +249,7 @@ def write_error(directory: Path) -> OSError:
     report a short write as a C++ error."""
     probe = directory / f".probe{os.getpid()}"
     try:
-        with open(probe, "wb") as f:
-            f.write(bytes(2**20))
-            f.flush()
-            os.fsync(f.fileno())
+        probe.write_bytes(bytes(2**20))
     except OSError as e:
         return OSError(e.errno, e.strerror, str(directory))
     finally:
@@ -357,9 +354,7 @@ def main():
         utils.check_written_with(state, path, args)
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        if "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"])
+        utils.set_rng_states(state)
         start_epoch, first_step = state["epoch"], state["step"]
         log.info(f"continuing from {path}: {start_epoch} of {args.epochs} epochs done"
                  + (f" and {first_step} steps of the next" if first_step else ""))

@@ -593,6 +593,13 @@ def rng_states() -> dict:
     return {"rng": torch.get_rng_state(), **cuda}
 
 
+def set_rng_states(state: dict) -> None:
+    """Put back the random streams that rng_states() saved."""
+    torch.set_rng_state(state.get("rng", torch.get_rng_state()))
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+
+
 def check_written_with(state: dict, path: Path | str, args) -> None:
     """A checkpoint of another --arch or --optimizer ends in one line, not in a failed load or step."""
     for flag, saved, value in (("--arch", state.get("arch"), args.arch),
@@ -608,9 +615,7 @@ def restore(state: dict, model: nn.Module, path: Path, args, **stateful) -> None
         unwrap(model).load_state_dict(state["model"])
         for name, obj in stateful.items():
             obj.load_state_dict(state[name])
-        torch.set_rng_state(state.get("rng", torch.get_rng_state()))
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"])
+        set_rng_states(state)
     except (RuntimeError, KeyError, ValueError) as e:
         raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): "
                          f"use another --output-dir") from None
