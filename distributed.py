@@ -230,11 +230,9 @@ def main():
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
-    if state:
-        utils.restore(state, model, checkpoint_path, args, optimizer=optimizer, scheduler=scheduler)
-        start_epoch, first_step = state["epoch"], state.get("step", 0)
-        log.info(f"continuing from {checkpoint_path}: {start_epoch} of {args.epochs} epochs done"
-                 + (f" and {first_step} steps of the next" if first_step else ""))
+    if state:  # the same command continues from the checkpoint, and says so
+        start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
+                                                optimizer=optimizer, scheduler=scheduler)
     with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.start_metrics(metrics_path, start_epoch)
@@ -248,7 +246,7 @@ def main():
         first_step = 0
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      peak_mem_mb=utils.peak_memory_mb(device), **utils.model_state_mb(model, optimizer),
+                      **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record)
         utils.log_epoch(record, args.epochs)

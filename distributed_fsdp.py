@@ -351,13 +351,8 @@ def main():
         state = training_state()
         with utils.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
-        utils.check_written_with(state, path, args)
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        utils.set_rng_states(state)
-        start_epoch, first_step = state["epoch"], state["step"]
-        log.info(f"continuing from {path}: {start_epoch} of {args.epochs} epochs done"
-                 + (f" and {first_step} steps of the next" if first_step else ""))
+        # the shards are in place; the rest, and the same command continues from the checkpoint
+        start_epoch, first_step = utils.restore(state, path, args, scheduler=scheduler, scaler=scaler)
     with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.start_metrics(metrics_path, start_epoch)
@@ -372,7 +367,7 @@ def main():
         first_step = 0
         record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      peak_mem_mb=utils.peak_memory_mb(device), **utils.model_state_mb(model, optimizer),
+                      **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
         utils.log_epoch(record, args.epochs)

@@ -1,14 +1,10 @@
-"""Small helpers shared by the training scripts: what no approach owns (one-line errors, flags, logging, meters,
-rendezvous, checkpoints, checks of a batch, model and loss). The recipe itself (samplers, loaders, wrap, step,
-evaluation, teardown) is in each script; the built-in data and models are in builtin.py."""
+"""What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
 from __future__ import annotations
 
-import argparse, contextlib, errno, gc, inspect, io, itertools, json, logging, math, os, re, resource, signal, socket
-import sys, tempfile, time, uuid
-from datetime import timedelta
+import argparse, contextlib, datetime, errno, functools, gc, inspect, io, itertools, json, logging, math, os, re
+import resource, signal, socket, sys, tempfile, time, uuid
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
 
 # PyTorch's C++ side logs rendezvous retries with stack dumps; our errors say it in one
@@ -17,7 +13,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils.flop_counter
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map_only  # nested tuples, lists and dicts of tensors
 from torch.utils.data import DataLoader, Dataset
 
@@ -38,13 +34,9 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(f"{self.prog}: error: {message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args([self.kebab_case(a) for a in (sys.argv[1:] if args is None else args)],
-                                        namespace)
-
-    def kebab_case(self, arg: str) -> str:
-        name, equals, value = arg.partition("=")
-        known = arg.startswith("--") and name.replace("_", "-") in self._option_string_actions
-        return name.replace("_", "-") + equals + value if known else arg
+        # the name only, up to an "=": values keep their underscores
+        kebab = lambda arg: re.sub("^--[^=]+", lambda name: name[0].replace("_", "-"), arg)  # noqa: E731
+        return super().parse_known_args(list(map(kebab, sys.argv[1:] if args is None else args)), namespace)
 
 
 def build_parser(description: str) -> ArgumentParser:
@@ -52,8 +44,7 @@ def build_parser(description: str) -> ArgumentParser:
     p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        epilog="Every flag may also be spelt with underscores: --batch_size 128.")
     add = p.add_argument
-    add("--dataset", default="cifar100", choices=["cifar10", "cifar100", "imagefolder", "fake"],
-        help="built-in data (fake: in memory, no files, no network)")
+    add("--dataset", default="cifar100", choices=["cifar10", "cifar100", "imagefolder", "fake"], help="built-in data")
     add("--data-dir", default="./data", help="where data lives or is downloaded to")
     add("--no-download", action="store_true", help="fail instead of downloading missing CIFAR")
     add("--fake-size", type=int, default=50_000, help="training images of --dataset fake")
@@ -68,8 +59,7 @@ def build_parser(description: str) -> ArgumentParser:
     add("--warmup", type=float, default=0.1, metavar="FRACTION", help="part of the steps the lr rises linearly")
     add("--momentum", type=float, default=0.9, help="SGD momentum")
     add("--weight-decay", type=float, default=None, help="weight decay (default: sgd 5e-4, adamw 0.01)")
-    add("--clip-grad", type=float, default=None, metavar="NORM", help="clip the global gradient norm to NORM "
-        "before each optimizer step")
+    add("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradients' global norm to NORM")
     add("--workers", type=int, default=None, help="DataLoader workers per process (default: spare cores per GPU)")
     add("--seed", type=int, default=0, help="seed for init, data order and augmentation")
     add("--print-freq", type=int, default=50, help="log every N steps")
@@ -81,12 +71,10 @@ def build_parser(description: str) -> ArgumentParser:
     add("--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs")
     add("--channels-last", action="store_true", help="NHWC model and images (faster on Tensor Cores)")
     add("--compile", action="store_true", help="compile the model with torch.compile")
-    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], help="implies --compile; "
-        "reduce-overhead replays each step as CUDA graphs on GPUs")
+    add("--compile-mode", choices=["default", "reduce-overhead", "max-autotune"], help="implies --compile")
     add("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
     add("--save-every", type=int, default=None, metavar="N", help="also save a checkpoint every N optimizer steps")
-    add("--find-unused-parameters", action="store_true", help="DDP: train models with parameters that get "
-        "no gradient in some steps (an extra pass over the graph every step)")
+    add("--find-unused-parameters", action="store_true", help="DDP: allow parameters without a gradient in some steps")
     return p
 
 
@@ -95,15 +83,12 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("epochs", "batch_size", "fake_size", "image_size", "print_freq", "stop_after", "save_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if (args.workers or 0) < 0 or args.timeout <= 0 or args.seed < 0 or not 0 <= args.warmup < 1:
-        raise UsageError("--workers and --seed must be >= 0, --timeout > 0 and --warmup in [0, 1)")
-    if args.clip_grad is not None and args.clip_grad <= 0:
-        raise UsageError("--clip-grad must be > 0")
+    if min(args.workers or 0, args.seed) < 0 or min(args.timeout, args.clip_grad or 1) <= 0 or not 0 <= args.warmup < 1:
+        raise UsageError("--workers and --seed must be >= 0, --timeout and --clip-grad > 0, --warmup in [0, 1)")
     args.compile = args.compile or args.compile_mode is not None
-    if args.lr is None:  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples of global batch
-        args.lr = 1e-3 if args.optimizer == "adamw" else 0.1 * args.batch_size / 256
-    if args.weight_decay is None:
-        args.weight_decay = 0.01 if args.optimizer == "adamw" else 5e-4
+    adamw = args.optimizer == "adamw"  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples
+    args.lr = (1e-3 if adamw else 0.1 * args.batch_size / 256) if args.lr is None else args.lr
+    args.weight_decay = (0.01 if adamw else 5e-4) if args.weight_decay is None else args.weight_decay
     if args.workers is None:  # the cores each GPU can spare, one kept for the training loop itself
         gpus = torch.cuda.device_count()
         args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
@@ -112,21 +97,6 @@ def check_args(args: argparse.Namespace) -> None:
 def first_line(error: BaseException) -> str:
     """PyTorch's distributed errors append a C++ stack trace: keep line one."""
     return (str(error).strip() or type(error).__name__).splitlines()[0]
-
-
-def failure_message(error: BaseException) -> str | None:
-    """The one line to print for an error a user can cause; None for a bug (keep its traceback)."""
-    if isinstance(error, UsageError):
-        return f"error: {error}"
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return "error: out of GPU memory: lower --batch-size"
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    # gloo reports a dead peer or a timeout as a plain RuntimeError
-    if isinstance(error, (dist.DistError, ConnectionError, TimeoutError)) or (isinstance(error, RuntimeError)
-            and re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(error))):
-        return f"error: distributed communication failed: {first_line(error)}"
-    return None
 
 
 class Stopped(Exception):
@@ -139,16 +109,25 @@ class Stopped(Exception):
 
 
 def run_main(main: Callable[[], None]) -> None:
-    """Run main(); turn user errors into one line and a non-zero exit; always tear down."""
+    """Run main(); an error a user can cause ends in one line and a non-zero exit; always tear down."""
     status: int | str = 0
     try:
         main()
     except Stopped as e:
         print(e, file=sys.stderr, flush=True)
         status = 128 + e.signum  # as a shell reports a process ended by that signal
-    except (Exception, KeyboardInterrupt) as e:
-        if (status := failure_message(e)) is None:
+    except UsageError as e:
+        status = f"error: {e}"
+    except torch.cuda.OutOfMemoryError:
+        status = "error: out of GPU memory: lower --batch-size"
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except (RuntimeError, ConnectionError, TimeoutError) as e:  # DistError is a RuntimeError
+        # gloo reports a dead peer or a timeout as a plain RuntimeError; any other is a bug: keep its traceback
+        if not (isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
+                or re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
             raise
+        status = f"error: distributed communication failed: {first_line(e)}"
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
         gc.collect()  # free them and their process groups while the interpreter is whole
         if dist.is_available() and dist.is_initialized():
@@ -178,7 +157,7 @@ def check_batch_size(batch_size: int, parts: int, what: str) -> int:
     return batch_size // parts
 
 
-def rendezvous_store(init_method: str | None, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+def rendezvous_store(init_method: str | None, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """The key-value store where the processes meet, for init_process_group(store=...)."""
     if init_method is None:
         return dist.HashStore()  # a world of one needs no network
@@ -193,22 +172,19 @@ def rendezvous_store(init_method: str | None, rank: int, world_size: int, timeou
         url = urlparse(f"tcp://{host}:{port}")  # Slurm, or MASTER_ADDR set by hand
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise UsageError(f"cannot use {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
-    listen_fd = None
-    if rank == 0:
-        # TCPStore alone would listen on every interface; listen on the given address only
-        try:
-            listen_fd = socket.create_server((url.hostname, url.port)).detach()
-        except OSError as e:
-            reason = ("the port is in use; choose another --port" if e.errno == errno.EADDRINUSE
-                      else f"{e.strerror}; the address must be one of this machine (node 0)")
-            raise UsageError(f"cannot listen on tcp://{url.hostname}:{url.port}: {reason}") from None
+    try:  # rank 0 listens on the given address only: TCPStore alone would listen on every interface
+        listen_fd = socket.create_server((url.hostname, url.port)).detach() if rank == 0 else None
+    except OSError as e:
+        reason = ("the port is in use; choose another --port" if e.errno == errno.EADDRINUSE
+                  else f"{e.strerror}; the address must be one of this machine (node 0)")
+        raise UsageError(f"cannot listen on tcp://{url.hostname}:{url.port}: {reason}") from None
     return dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
                          timeout=timeout, master_listen_fd=listen_fd)
 
 
-def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """A part of store no earlier group of this job wrote to: torchrun keeps it across worker restarts, whose count
-    differs between nodes (PyTorch issue 135712). Rank 0 draws a generation and answers each rank's fresh token."""
+def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """A part of store no earlier group of this job wrote to: rank 0 draws a generation, answers each rank's token."""
+    # torchrun keeps its store across worker restarts, whose count differs between nodes (PyTorch issue 135712)
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         generation, answered = store.add("ddp/generation", 1), set()
@@ -221,8 +197,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: time
                 raise TimeoutError(f"only {joined + 1} of {world_size} processes arrived within {timeout}")
             time.sleep(0.01)
     else:
-        token = uuid.uuid4().hex
-        store.set(f"ddp/hello/{rank}", token)
+        store.set(f"ddp/hello/{rank}", token := uuid.uuid4().hex)
         generation = int(store.get(f"ddp/answer/{token}"))  # waits for rank 0's answer
         store.add(f"ddp/{generation}/joined", 1)
     return dist.PrefixStore(f"ddp/{generation}/", store)
@@ -247,7 +222,7 @@ def slurm_master_addr(nodelist: str) -> str:
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
         raise UsageError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = match.groups()
+    prefix, ranges = match.groups()  # node, 01-04
     return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
@@ -261,20 +236,17 @@ def no_buffer_sync_per_forward() -> dict[str, bool]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP / DataParallel / torch.compile wrappers."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = model.module if hasattr(model, "module") else model._orig_mod
-    return model
+    inner = getattr(model, "module", getattr(model, "_orig_mod", None))
+    return model if inner is None else unwrap(inner)
 
 
 def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
                     key: tuple[int, int] | None = None):
     """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
     inputs, targets = batch
-    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):  # a tokenizer's BatchEncoding, say
-        inputs = dict(inputs)
+    inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs  # a tokenizer's BatchEncoding: a plain dict
     inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
-    transform = getattr(dataset, "batch_transform", None)
-    if transform is not None:
+    if (transform := getattr(dataset, "batch_transform", None)) is not None:  # the built-in images' fast path
         inputs = transform(inputs, key)
     if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
         inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -283,15 +255,11 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
 
 # --------------------------------------------------- any batch, any task ----
 
-class Counted:
-    """The DataLoaders' collate_fn: (samples, batch), so that a batch of any structure (a list of per-image dicts,
-    padded sequences) is counted as the samples collate received. A class, so that loader workers can pickle it."""
-
-    def __init__(self, collate: Callable):
-        self.collate = collate
+class Counted(functools.partial):
+    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples; picklable."""
 
     def __call__(self, samples: list) -> tuple[int, object]:
-        return len(samples), self.collate(samples)
+        return len(samples), super().__call__(samples)
 
 
 def forward(model: nn.Module, inputs):
@@ -300,9 +268,8 @@ def forward(model: nn.Module, inputs):
 
 
 def loss_for_backward(loss) -> torch.Tensor:
-    """What backward() takes, given compute_loss's scalar mean (as it is) or (sum, count) pair. DDP (and FSDP)
-    average the ranks' gradients, so a pair becomes sum x world size / the count summed over all ranks: the
-    gradient of the mean over every rank's items, whatever each rank's count. One small all-reduce."""
+    """compute_loss's mean as it is; its (sum, count) as sum x world size / all ranks' count (one small all-reduce)."""
+    # DDP and FSDP average the ranks' gradients: that of the mean over every rank's items, whatever each rank's count
     if isinstance(loss, torch.Tensor):
         return loss
     total, count = loss
@@ -313,10 +280,9 @@ def loss_for_backward(loss) -> torch.Tensor:
     return total * (world_size / count.clamp(min=1)).to(total.dtype)
 
 
-def logits(outputs) -> torch.Tensor | None:
-    """The scores in a model's outputs: a tensor, or the logits of a dict or a Hugging Face ModelOutput."""
-    return outputs if isinstance(outputs, torch.Tensor) else (
-        outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None))
+def logits(outputs):
+    """The scores in a model's outputs: the outputs, or the logits of a dict or a Hugging Face ModelOutput."""
+    return outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
 
 
 def class_indices(outputs, targets) -> bool:
@@ -327,8 +293,7 @@ def class_indices(outputs, targets) -> bool:
 
 
 def is_default_loss(compute_loss: Callable) -> bool:
-    """Is compute_loss the scripts' default: F.cross_entropy of its arguments, with no other name or constant
-    (an ignore_index=, a weight, a label_smoothing= would be one)?"""
+    """Is compute_loss the default F.cross_entropy(outputs, targets), with no other name or constant (ignore_index=)?"""
     code = getattr(compute_loss, "__code__", None)
     return (code is not None and code.co_names == ("F", "cross_entropy")
             and set(code.co_consts) <= {None, compute_loss.__doc__})
@@ -337,23 +302,22 @@ def is_default_loss(compute_loss: Callable) -> bool:
 # ------------------------------------------------------------- metering ----
 
 class Meter:
-    """An epoch's sums (on the device; reduced when read) of loss and the items it is over (samples for a mean
-    loss, the count of a (sum, count) pair), correct and scored class targets, and samples; its time and data
-    wait. Accuracy is scored where targets are class indices, else None."""
+    """An epoch's loss, its items, correct and scored class targets, samples (on the device); time and data wait."""
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(5, dtype=torch.float64, device=device)
         self.start, self.data_wait = time.perf_counter(), 0.0
 
     def update(self, loss, outputs, targets, samples: int) -> None:
+        # items: what the loss is a mean over, samples for a mean, the count of a (sum, count) pair
         total, items = (loss * samples, samples) if isinstance(loss, torch.Tensor) else loss
+        # accuracy: None where targets are not class indices
         scores, correct, scored = logits(outputs), self.sums.new_zeros(()), self.sums.new_zeros(())
         if class_indices(scores, targets) and scores.shape[1] > 1:
             valid = (targets >= 0) & (targets < scores.shape[1])  # not a segmentation's "ignore" label
             correct, scored = ((scores.argmax(1) == targets) & valid).sum(), valid.sum()
-        items = torch.as_tensor(items, dtype=torch.float64, device=self.sums.device)
-        self.sums += torch.stack([total.detach().double(), items, correct.double(), scored.double(),
-                                  self.sums.new_tensor(samples)])
+        values = (total.detach(), items, correct, scored, samples)
+        self.sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.sums.device) for v in values])
 
     def reduce(self) -> tuple[float, float | None, int]:
         """(mean loss per item, accuracy or None, samples) over all ranks; a collective: call on every rank."""
@@ -382,7 +346,7 @@ def log_progress(meter: Meter, epoch: int, step: int, steps: int, lr: float, arg
     seconds = meter.elapsed()
     log.info(f"epoch {epoch + 1}/{args.epochs} step {step}/{steps} loss {loss:.4f}"
              + (f" acc {acc:.3f}" if acc is not None else "") + f" lr {lr:.4g} {samples / seconds:.0f} img/s "
-             f"left {timedelta(seconds=int(seconds / step * (steps - step)))}")
+             f"left {datetime.timedelta(seconds=int(seconds / step * (steps - step)))}")
 
 
 def log_epoch(record: dict, epochs: int) -> None:
@@ -393,8 +357,7 @@ def log_epoch(record: dict, epochs: int) -> None:
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
-    """A NaN or infinite loss or weight stops every rank, checked where the run reads them anyway: before a progress
-    line (model None) or a save, so that nothing diverged is logged or written over a finite checkpoint."""
+    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save shows or keeps it."""
     finite = all(math.isfinite(value) for key, value in (record or {}).items() if key.endswith("_loss"))
     if finite and (model is None or all(local(p).isfinite().all() for p in model.parameters())):
         return
@@ -406,29 +369,27 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
 
 def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callable, args, device: torch.device,
                      unused_ok: bool) -> float:
-    """A training step's forward and backward pass of two samples of the training loader (collated as it collates
-    them; in float32: small, whatever the precision of training), undone, before training: what would fail or learn
-    nothing later ends every rank here with one line, and the first batch's labels are checked. Returns the FLOPs
-    per sample."""
-    with errors_shared_by_all_ranks():  # one rank's bad batch ends every rank with its line
-        samples, batch = loader.collate_fn([loader.dataset[i] for i in itertools.islice(loader.sampler, 2)])
-        inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
+    """Before training, a step of two samples, collated as in training, undone: what would fail or learn nothing ends
+    every rank here with one line, and the first batch's labels are checked. Returns FLOPs per sample."""
+    # float32 whatever the training's precision: two samples are small
     buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
-    rng_devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    count_flops = torch.utils.flop_counter.FlopCounterMode  # not around our own collectives: it sees every op
-    with torch.random.fork_rng(rng_devices):
-        with errors_shared_by_all_ranks():  # before backward(), a collective under FSDP, on every rank or none
+    # FLOPs counted around the model and loss only: FlopCounterMode would see our own collectives too
+    with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        # one rank's error ends every rank with its line; before backward(), a collective under FSDP
+        with errors_shared_by_all_ranks():
+            samples, batch = loader.collate_fn([loader.dataset[i] for i in itertools.islice(loader.sampler, 2)])
+            inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
             try:
-                with count_flops(display=False) as forward_flops:
+                with FlopCounterMode(display=False) as forward_flops:
                     outputs = forward(model.train(), inputs)
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
                 raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
             if is_default_loss(compute_loss):  # on a GPU a bad label is a device-side assert that kills the process
-                _, first_batch = next(iter(loader))
+                _, first_batch = next(iter(loader))  # its targets: more labels than two samples have
                 check_class_targets(outputs, batch_to_device(first_batch, device, loader.dataset)[1])
             loss = compute_loss(outputs, targets)
             check_loss(loss)
-        with count_flops(display=False) as backward_flops:
+        with FlopCounterMode(display=False) as backward_flops:
             (loss if isinstance(loss, torch.Tensor) else loss[0]).backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     model.zero_grad(set_to_none=True)
@@ -471,20 +432,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def model_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """The model state this rank holds, in MB, from its own tensors: parameters (its shards under FSDP), gradients
-    (one of each trainable parameter's size) and the optimizer's state."""
+def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """MB: peak memory (GPU: allocated, CPU: resident); parameters, gradients, optimizer state held by this rank."""
     mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
     params = list(model.parameters())
-    return dict(params_mb=mb(params), grads_mb=mb(p for p in params if p.requires_grad),
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux reports KiB
+    return dict(peak_mem_mb=peak, params_mb=mb(params), grads_mb=mb(p for p in params if p.requires_grad),
                 optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated by this process, or its peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 # ------------------------------------------------- checkpoints and metrics ----
@@ -510,8 +465,8 @@ class StopSignal:
         self.signal = 0
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, lambda received, frame: setattr(self, "signal", received))
-        gpus = dist.is_initialized() and dist.get_backend() != "gloo"  # then check on the CPU: no GPU sync
-        self.group = dist.new_group(backend="gloo") if gpus else None
+        # with GPUs the flag goes over the CPU: no GPU synchronisation every step
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_backend() != "gloo" else None
 
     def agreed(self) -> int:
         """The signal any rank got, or 0, so that all stop after the same step; every rank calls it every step."""
@@ -563,8 +518,8 @@ def save_checkpoint(state: dict, path: Path) -> None:
 
 def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
     """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
-    indices = list(loader.sampler)[batches * loader.batch_size:]
-    return DataLoader(loader.dataset, loader.batch_size, sampler=indices, drop_last=loader.drop_last,
+    return DataLoader(loader.dataset, loader.batch_size, sampler=list(loader.sampler)[batches * loader.batch_size:],
+                      drop_last=loader.drop_last,
                       collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                       generator=loader.generator)
 
@@ -593,32 +548,25 @@ def rng_states() -> dict:
     return {"rng": torch.get_rng_state(), **cuda}
 
 
-def set_rng_states(state: dict) -> None:
-    """Put back the random streams that rng_states() saved."""
-    torch.set_rng_state(state.get("rng", torch.get_rng_state()))
-    if "cuda_rng" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng"])
-
-
-def check_written_with(state: dict, path: Path | str, args) -> None:
-    """A checkpoint of another --arch or --optimizer ends in one line, not in a failed load or step."""
+def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
+    """Load stateful (model, optimizer, scheduler, scaler) and the random streams; say so: (epochs, steps) done."""
     for flag, saved, value in (("--arch", state.get("arch"), args.arch),
                                ("--optimizer", state.get("optimizer_name"), args.optimizer)):
-        if saved not in (None, value):
+        if saved not in (None, value):  # one line, not a failed load or step
             raise UsageError(f"{path} was written with {flag} {saved}, not {flag} {value}: use another --output-dir")
-
-
-def restore(state: dict, model: nn.Module, path: Path, args, **stateful) -> None:
-    """Load weights and every other state (optimizer, scheduler, scaler) from a checkpoint."""
-    check_written_with(state, path, args)
     try:
-        unwrap(model).load_state_dict(state["model"])
         for name, obj in stateful.items():
             obj.load_state_dict(state[name])
-        set_rng_states(state)
+        torch.set_rng_state(state.get("rng", torch.get_rng_state()))
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
     except (RuntimeError, KeyError, ValueError) as e:
         raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): "
                          f"use another --output-dir") from None
+    epoch, step = state["epoch"], state.get("step", 0)
+    log.info(f"continuing from {path}: {epoch} of {args.epochs} epochs done"
+             + (f" and {step} steps of the next" if step else ""))
+    return epoch, step
 
 
 def start_metrics(path: Path, completed_epochs: int) -> None:

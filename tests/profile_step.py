@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--amp-dtype", choices=["float16", "bfloat16"], default=None, help="autocast dtype (default: fp32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC model and input")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); implies --compile")
+    p.add_argument("--compile-mode", default=None, help="mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--no-ddp", action="store_true", help="plain module instead of DDP at world size 1")
     p.add_argument("--broadcast-buffers", action="store_true", help="DDP's per-forward buffer broadcast on")
     p.add_argument("--steps", type=int, default=50, help="timed steps (after as many warm-up steps)")

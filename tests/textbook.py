@@ -115,7 +115,7 @@ def main() -> None:
             record = dict(epoch=epoch + 1, train_loss=totals[0].item() / totals[1].item(),
                           val_acc=totals[2].item() / totals[3].item(), epoch_time_s=seconds,
                           images_per_s=totals[1].item() / seconds, data_wait_s=data_wait, world_size=world_size,
-                          peak_mem_mb=utils.peak_memory_mb(device))
+                          **utils.memory_mb(model, optimizer, device))
             print(json.dumps(record), flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             utils.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
