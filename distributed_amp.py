@@ -130,10 +130,10 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoch: int, first_step: int, args,
-                    device, stop, save) -> dict:
+def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, amp_dtype, epoch: int,
+                    first_step: int, args, device, stop, save, records) -> dict:
     model.train()
-    meter = utils.Meter(device)
+    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     skipped = torch.zeros((), device=device)
     steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
     for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
@@ -145,9 +145,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoc
         optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; DDP all-reduces the (scaled) gradients here
         scaler.scale(utils.loss_for_backward(loss)).backward()
-        if args.clip_grad:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
+        if args.clip_grad or recording:  # the gradients' norm before clipping
+            scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
         scale = scaler._scale.clone() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
@@ -155,17 +156,17 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoc
         if scale is not None:
             skipped += scaler._scale < scale  # counted on the device: no host sync per step
         meter.update(loss, outputs, targets, samples)
-        if step % args.print_freq == 0:  # and a diverged run stops here
-            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
+        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+        if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
+            records.add(epoch, step, evaluate(model, val_loader, amp_dtype, args, device))
+            model.train()
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
-    seconds = meter.elapsed()
-    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
-                images_per_s=samples / seconds, data_wait_s=meter.data_wait,
+    return dict(**meter.totals(),
                 skipped_steps=int(skipped), loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
 
 
@@ -233,10 +234,13 @@ def main():
 
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
+    # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
+    records = utils.StepRecords(output_dir, args, rank, len(train_loader))
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
         diverged, ends every rank."""
+        progress = records.state_dict()  # the sums since the last record, over all ranks: the next record needs them
         with utils.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
@@ -245,7 +249,7 @@ def main():
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(),
                                        "scaler": scaler.state_dict(),
-                                       "epoch": epoch, "step": step, "arch": args.arch,
+                                       "records": progress, "epoch": epoch, "step": step, "arch": args.arch,
                                        "optimizer_name": args.optimizer, "seed": args.seed,
                                        **utils.rng_states()},
                                       checkpoint_path)
@@ -254,20 +258,23 @@ def main():
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
         start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
-                                                optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+                                                optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                                records=records)
     with utils.errors_shared_by_all_ranks():
-        if rank == 0:
-            utils.start_metrics(metrics_path, start_epoch)
+        if rank == 0:  # what the checkpoint holds: the records after it are written again
+            records.start(start_epoch, first_step)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
-        record = train_one_epoch(model, loader, optimizer, scheduler, scaler, amp_dtype, epoch, first_step, args,
-                                 device, stop, save)
+        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, amp_dtype, epoch,
+                                 first_step, args, device, stop, save, records)
         first_step = 0
-        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, amp_dtype, args, device),
+        validation = evaluate(model, val_loader, amp_dtype, args, device)
+        records.add(epoch, len(train_loader), validation)  # at the epoch's last step
+        record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)

@@ -18,6 +18,7 @@ import errno
 import math
 import os
 import shutil
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +30,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+try:  # FSDP2's fully_shard is public from PyTorch 2.6
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:
+    sys.exit(f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not {torch.__version__}")
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 from utils import UsageError, log
@@ -170,10 +174,10 @@ def shard_model(model: nn.Module, amp_dtype: torch.dtype | None) -> nn.Module:
                                                              output_dtype=torch.float32 if amp_dtype else None))
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
-                    stop, save) -> dict:
+def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
+                    stop, save, records) -> dict:
     model.train()
-    meter = utils.Meter(device)
+    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
     for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
@@ -184,24 +188,25 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, epoch: int, fir
         # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's gradients here:
         # every rank keeps the mean gradient of its own shard
         scaler.scale(utils.loss_for_backward(loss)).backward()
-        if args.clip_grad:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # the norm over all shards
+        recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
+        if args.clip_grad or recording:  # the norm before clipping (inf: measured only), over all shards
+            scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf")).full_tensor()
         scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.update()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        if step % args.print_freq == 0:  # and a diverged run stops here
-            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
+        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+        if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
+            records.add(epoch, step, evaluate(model, val_loader, args, device))
+            model.train()
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step, final=bool(signum))  # this point of the epoch: the same command continues from here
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
-    seconds = meter.elapsed()
-    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
-                images_per_s=samples / seconds, data_wait_s=meter.data_wait)
+    return meter.totals()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
@@ -321,6 +326,8 @@ def main():
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
     scaler = ShardedGradScaler(device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16)
     metrics_path = output_dir / "metrics.jsonl"
+    # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
+    records = utils.StepRecords(output_dir, args, rank, len(train_loader))
 
     def training_state() -> dict:
         """What continues the run exactly: every rank its own shards of the model and the optimizer, the rest once.
@@ -328,8 +335,8 @@ def main():
         of its own."""
         optimizer_state = {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
         return {"model": get_model_state_dict(module), **optimizer_state, "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "arch": args.arch, "optimizer_name": args.optimizer,
-                "epoch": 0, "step": 0, "seed": args.seed, **utils.rng_states()}
+                "scaler": scaler.state_dict(), "records": records.state_dict(), "arch": args.arch,
+                "optimizer_name": args.optimizer, "epoch": 0, "step": 0, "seed": args.seed, **utils.rng_states()}
 
     def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
         """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every rank."""
@@ -352,20 +359,23 @@ def main():
         with utils.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
-        start_epoch, first_step = utils.restore(state, path, args, scheduler=scheduler, scaler=scaler)
+        start_epoch, first_step = utils.restore(state, path, args, scheduler=scheduler, scaler=scaler,
+                                               records=records)
     with utils.errors_shared_by_all_ranks():
-        if rank == 0:
-            utils.start_metrics(metrics_path, start_epoch)
+        if rank == 0:  # what the checkpoint holds: the records after it are written again
+            records.start(start_epoch, first_step)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
-        record = train_one_epoch(model, loader, optimizer, scheduler, scaler, epoch, first_step, args, device,
-                                 stop, save)
+        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch, first_step, args,
+                                 device, stop, save, records)
         first_step = 0
-        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
+        validation = evaluate(model, val_loader, args, device)
+        records.add(epoch, len(train_loader), validation)  # at the epoch's last step
+        record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)

@@ -125,10 +125,10 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
-                    stop, save) -> dict:
+def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
+                    stop, save, records) -> dict:
     model.train()
-    meter = utils.Meter(device)
+    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
     for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
@@ -138,22 +138,23 @@ def train_one_epoch(model, loader, optimizer, scheduler, epoch: int, first_step:
         optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; DDP all-reduces the gradients here, bucket by bucket
         utils.loss_for_backward(loss).backward()
-        if args.clip_grad:
-            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # all ranks hold the same gradients
+        recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
+        if args.clip_grad or recording:  # the gradients' norm before clipping (all ranks hold the same gradients)
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
         optimizer.step()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        if step % args.print_freq == 0:  # and a diverged run stops here
-            utils.log_progress(meter, epoch, step, steps, optimizer.param_groups[0]["lr"], args)
+        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+        if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
+            records.add(epoch, step, evaluate(model, val_loader, args, device))
+            model.train()
         signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    train_loss, train_acc, samples = meter.reduce()  # mean over all ranks
-    seconds = meter.elapsed()
-    return dict(train_loss=train_loss, train_acc=train_acc, epoch_time_s=seconds,
-                images_per_s=samples / seconds, data_wait_s=meter.data_wait)
+    return meter.totals()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
@@ -224,10 +225,13 @@ def train(local_rank: int, args) -> None:
 
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
+    # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
+    records = utils.StepRecords(output_dir, args, rank, len(train_loader))
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
         diverged, ends every rank."""
+        progress = records.state_dict()  # the sums since the last record, over all ranks: the next record needs them
         with utils.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
@@ -235,7 +239,7 @@ def train(local_rank: int, args) -> None:
                     utils.append_metrics(metrics_path, record)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(),
-                                       "epoch": epoch, "step": step, "arch": args.arch,
+                                       "records": progress, "epoch": epoch, "step": step, "arch": args.arch,
                                        "optimizer_name": args.optimizer, "seed": args.seed,
                                        **utils.rng_states()},
                                       checkpoint_path)
@@ -244,19 +248,22 @@ def train(local_rank: int, args) -> None:
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
         start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
-                                                optimizer=optimizer, scheduler=scheduler)
+                                                optimizer=optimizer, scheduler=scheduler, records=records)
     with utils.errors_shared_by_all_ranks():
-        if rank == 0:
-            utils.start_metrics(metrics_path, start_epoch)
+        if rank == 0:  # what the checkpoint holds: the records after it are written again
+            records.start(start_epoch, first_step)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
-        record = train_one_epoch(model, loader, optimizer, scheduler, epoch, first_step, args, device, stop, save)
+        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
+                                 device, stop, save, records)
         first_step = 0
-        record = dict(epoch=epoch + 1, **record, **evaluate(model, val_loader, args, device),
+        validation = evaluate(model, val_loader, args, device)
+        records.add(epoch, len(train_loader), validation)  # at the epoch's last step
+        record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)

@@ -1,8 +1,8 @@
 """What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
 from __future__ import annotations
 
-import argparse, contextlib, datetime, errno, functools, gc, inspect, io, itertools, json, logging, math, os, re
-import resource, signal, socket, sys, tempfile, time, uuid
+import argparse, contextlib, datetime, errno, functools, gc, importlib, inspect, io, itertools, json, logging, math, os
+import re, resource, signal, socket, sys, tempfile, time, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -62,7 +62,9 @@ def build_parser(description: str) -> ArgumentParser:
     add("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradients' global norm to NORM")
     add("--workers", type=int, default=None, help="DataLoader workers per process (default: spare cores per GPU)")
     add("--seed", type=int, default=0, help="seed for init, data order and augmentation")
-    add("--print-freq", type=int, default=50, help="log every N steps")
+    add("--print-freq", type=int, default=50, help="a progress line and a record in steps.jsonl every N steps")
+    add("--eval-every", type=int, default=None, metavar="N", help="also validate every N steps (default: epoch ends)")
+    add("--tensorboard", action="store_true", help="rank 0 also writes steps.jsonl's records to OUTPUT_DIR/tensorboard")
     add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
     add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
     add("--dist-url", default=None, help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)")
@@ -80,12 +82,16 @@ def build_parser(description: str) -> ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Catch impossible values before any process group or data is touched; fill machine defaults."""
-    for name in ("epochs", "batch_size", "fake_size", "image_size", "print_freq", "stop_after", "save_every"):
+    for name in "epochs batch_size fake_size image_size print_freq eval_every stop_after save_every".split():
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.workers or 0, args.seed) < 0 or min(args.timeout, args.clip_grad or 1) <= 0 or not 0 <= args.warmup < 1:
         raise UsageError("--workers and --seed must be >= 0, --timeout and --clip-grad > 0, --warmup in [0, 1)")
     args.compile = args.compile or args.compile_mode is not None
+    try:  # before any data or model is built
+        args.tensorboard and importlib.import_module("torch.utils.tensorboard")  # imports the tensorboard package
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     adamw = args.optimizer == "adamw"  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples
     args.lr = (1e-3 if adamw else 0.1 * args.batch_size / 256) if args.lr is None else args.lr
     args.weight_decay = (0.01 if adamw else 5e-4) if args.weight_decay is None else args.weight_decay
@@ -234,6 +240,13 @@ def no_buffer_sync_per_forward() -> dict[str, bool]:
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """tensor, in place, summed (or op) over all ranks; as it is in a world of one."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP / DataParallel / torch.compile wrappers."""
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
@@ -273,10 +286,8 @@ def loss_for_backward(loss) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     total, count = loss
-    count = torch.as_tensor(count, dtype=torch.float64, device=total.device).clone()
+    count = all_reduce(torch.as_tensor(count, dtype=torch.float64, device=total.device).clone())
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if world_size > 1:
-        dist.all_reduce(count)
     return total * (world_size / count.clamp(min=1)).to(total.dtype)
 
 
@@ -302,15 +313,19 @@ def is_default_loss(compute_loss: Callable) -> bool:
 # ------------------------------------------------------------- metering ----
 
 class Meter:
-    """An epoch's loss, its items, correct and scored class targets, samples (on the device); time and data wait."""
+    """An epoch's sums on this rank (loss, its items, correct and scored class targets, samples), time, data wait."""
 
-    def __init__(self, device: torch.device):
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
-        self.start, self.data_wait = time.perf_counter(), 0.0
+    def __init__(self, device: torch.device, saved: dict | None = None, rank: int = 0):
+        # continued mid-epoch: rank 0 holds what all ranks had summed at the checkpoint, so records go on as before
+        self.before, self.recorded = (saved["sums"], saved["recorded"]) if saved else (torch.zeros(5).double(),) * 2
+        self.sums = (self.before if rank == 0 else torch.zeros(5).double()).to(device, copy=True)
+        self.start, self.data_wait, self.pairs = time.perf_counter(), 0.0, False
+        self.mark = (self.start, self.before)  # when, and at which sums, the last record read the speed
 
     def update(self, loss, outputs, targets, samples: int) -> None:
         # items: what the loss is a mean over, samples for a mean, the count of a (sum, count) pair
-        total, items = (loss * samples, samples) if isinstance(loss, torch.Tensor) else loss
+        self.pairs = not isinstance(loss, torch.Tensor)
+        total, items = loss if self.pairs else (loss * samples, samples)
         # accuracy: None where targets are not class indices
         scores, correct, scored = logits(outputs), self.sums.new_zeros(()), self.sums.new_zeros(())
         if class_indices(scores, targets) and scores.shape[1] > 1:
@@ -319,16 +334,29 @@ class Meter:
         values = (total.detach(), items, correct, scored, samples)
         self.sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.sums.device) for v in values])
 
-    def reduce(self) -> tuple[float, float | None, int]:
-        """(mean loss per item, accuracy or None, samples) over all ranks; a collective: call on every rank."""
-        sums = self.sums.clone()
-        if dist.is_initialized():
-            dist.all_reduce(sums)  # a sum over ranks
-        loss_sum, items, correct, scored, samples = sums.tolist()
+    def reduced(self) -> torch.Tensor:
+        """The sums over all ranks, on the CPU; a collective: every rank calls it at the same step."""
+        return all_reduce(self.sums.clone()).cpu()
+
+    def reduce(self, sums: torch.Tensor | None = None) -> tuple[float, float | None, int]:
+        """(mean loss per item, accuracy or None, samples) of sums, by default all ranks' (a collective)."""
+        loss_sum, items, correct, scored, samples = (self.reduced() if sums is None else sums).tolist()
         return loss_sum / max(items, 1), correct / scored if scored else None, int(samples)
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+    def since_record(self) -> dict:
+        """Loss, accuracy and speed (items of a (sum, count) loss too) since the last record; a collective."""
+        now, seconds, before = self.reduced(), time.perf_counter() - self.mark[0], self.mark[1]
+        loss, acc, _ = self.reduce(now - self.recorded)
+        _, items, _, _, samples = (now - before).tolist()
+        self.recorded, self.mark = now, (time.perf_counter(), now)
+        return dict(train_loss=loss, train_acc=acc, images_per_s=samples / seconds,
+                    **({"items_per_s": items / seconds} if self.pairs else {}))
+
+    def totals(self) -> dict:
+        """The epoch's loss and accuracy over all ranks (a collective), its time and this run's speed."""
+        (loss, acc, samples), seconds = self.reduce(), time.perf_counter() - self.start
+        return dict(train_loss=loss, train_acc=acc, epoch_time_s=seconds,
+                    images_per_s=(samples - self.before[4].item()) / seconds, data_wait_s=self.data_wait)
 
     def timed(self, iterable):
         """Yield from iterable, adding the time each item took to arrive to data_wait."""
@@ -339,21 +367,64 @@ class Meter:
             t = time.perf_counter()
 
 
-def log_progress(meter: Meter, epoch: int, step: int, steps: int, lr: float, args) -> None:
-    """One progress line on rank 0 (a collective: every rank calls it at the same step); a diverged run stops."""
-    loss, acc, samples = meter.reduce()
-    check_finite(None, epoch, step, {"train_loss": loss}, args)
-    seconds = meter.elapsed()
-    log.info(f"epoch {epoch + 1}/{args.epochs} step {step}/{steps} loss {loss:.4f}"
-             + (f" acc {acc:.3f}" if acc is not None else "") + f" lr {lr:.4g} {samples / seconds:.0f} img/s "
-             f"left {datetime.timedelta(seconds=int(seconds / step * (steps - step)))}")
+class StepRecords:
+    """steps.jsonl (and --tensorboard's scalars) by rank 0: all ranks' numbers every few steps, keyed by global step;
+    a continued run first drops what followed its checkpoint, so both equal an uninterrupted run's."""
+
+    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int):
+        self.path, self.args, self.rank, self.steps_per_epoch = output_dir / "steps.jsonl", args, rank, steps_per_epoch
+        # what a checkpoint holds (its shape: a sharded checkpoint loads into it)
+        self.meter, self.writer, self.saved = None, None, {key: torch.zeros(5).double() for key in ("sums", "recorded")}
+
+    def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
+        self.meter = Meter(device, self.saved if first_step else None, self.rank)
+        return self.meter
+
+    def state_dict(self) -> dict:
+        """The epoch's sums for a checkpoint, over all ranks: a collective."""
+        return {"sums": self.meter.reduced(), "recorded": self.meter.recorded} if self.meter else self.saved
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = state
+
+    def start(self, epoch: int, step: int) -> None:
+        """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest."""
+        last = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}
+        for path, key in ((self.path.with_name("metrics.jsonl"), "epoch"), (self.path, "global_step")):
+            lines = filter(None, path.read_text().splitlines()) if path.exists() else []  # no blank line
+            path.write_text("".join(f"{line}\n" for line in lines if json.loads(line)[key] <= last[key]))
+        if self.args.tensorboard:  # imported only when asked for
+            tb = importlib.import_module("torch.utils.tensorboard")
+            self.writer = tb.SummaryWriter(self.path.with_name("tensorboard"), purge_step=last["global_step"] + 1)
+
+    def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor) -> None:
+        """A training record (a collective: every rank calls it at the same step); a diverged run stops here."""
+        record = dict(**self.meter.since_record(), lr=lr, grad_norm=float(grad_norm),
+                      peak_mem_mb=peak_memory_mb(self.meter.sums.device))
+        check_finite(None, epoch, step, record, self.args)
+        left = self.args.batch_size / record["images_per_s"] * (self.steps_per_epoch - step)
+        self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")
+
+    def add(self, epoch: int, step: int, values: dict, suffix: str = "") -> None:
+        """A record of values (a validation's, say) at this step, and its console line with the same numbers."""
+        log.info(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch} {numbers(values)}{suffix}")
+        global_step = epoch * self.steps_per_epoch + step
+        if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
+            append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
+        if self.writer:  # rank 0's curves: each value at its global step
+            for key in [key for key, value in values.items() if value is not None]:
+                self.writer.add_scalar(key, values[key], global_step)
+            self.writer.flush()  # on disk before a later checkpoint: a kill loses no point that the checkpoint keeps
+
+
+def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default)
+    return " ".join(f"{key} {record[key]:.4{'f' if key.endswith(('loss', 'acc')) else 'g'}}" for key in keys or record
+                    if record[key] is not None)  # losses and accuracies to 4 decimals, the rest to 4 digits
 
 
 def log_epoch(record: dict, epochs: int) -> None:
-    metrics = " ".join(f"{k} {record[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc")
-                       if record[k] is not None)
-    log.info(f"epoch {record['epoch']}/{epochs} {metrics} time {record['epoch_time_s']:.1f}s "
-             f"{record['images_per_s']:.0f} img/s")
+    log.info(f"epoch {record['epoch']}/{epochs} {numbers(record, 'train_loss', 'train_acc', 'val_loss', 'val_acc')} "
+             f"time {record['epoch_time_s']:.1f}s {record['images_per_s']:.0f} img/s")
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
@@ -432,13 +503,18 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak memory in MB: on a GPU, allocated; on the CPU, resident (Linux reports KiB)."""
+    return (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
 def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
-    """MB: peak memory (GPU: allocated, CPU: resident); parameters, gradients, optimizer state held by this rank."""
+    """MB: peak memory; parameters, gradients, optimizer state held by this rank."""
     mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
     params = list(model.parameters())
-    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux reports KiB
-    return dict(peak_mem_mb=peak, params_mb=mb(params), grads_mb=mb(p for p in params if p.requires_grad),
+    return dict(peak_mem_mb=peak_memory_mb(device), params_mb=mb(params),
+                grads_mb=mb(p for p in params if p.requires_grad),
                 optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
 
 
@@ -470,10 +546,7 @@ class StopSignal:
 
     def agreed(self) -> int:
         """The signal any rank got, or 0, so that all stop after the same step; every rank calls it every step."""
-        flag = torch.tensor(self.signal)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag)
+        return int(all_reduce(torch.tensor(self.signal), dist.ReduceOp.MAX, self.group))
 
 
 @contextlib.contextmanager
@@ -519,9 +592,8 @@ def save_checkpoint(state: dict, path: Path) -> None:
 def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
     """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
     return DataLoader(loader.dataset, loader.batch_size, sampler=list(loader.sampler)[batches * loader.batch_size:],
-                      drop_last=loader.drop_last,
-                      collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                      generator=loader.generator)
+                      drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory, generator=loader.generator)
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
@@ -567,13 +639,6 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     log.info(f"continuing from {path}: {epoch} of {args.epochs} epochs done"
              + (f" and {step} steps of the next" if step else ""))
     return epoch, step
-
-
-def start_metrics(path: Path, completed_epochs: int) -> None:
-    """Keep only the lines of epochs the checkpoint holds, so a rerun never logs an epoch twice."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = [line for line in lines if line.strip() and json.loads(line)["epoch"] <= completed_epochs]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 def append_metrics(path: Path, record: dict) -> None:

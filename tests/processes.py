@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,7 @@ class RunFailed(AssertionError):
 TINY = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "1035", "--image-size", "16",
         "--batch-size", "32", "--epochs", "3", "--workers", "0",
         "--print-freq", "10", "--timeout", "60"]
+EVAL_EVERY = ["--eval-every", "12"]  # and validated mid-epoch: at steps 12 and 24 of each epoch's 32
 MARKER = "DDP_SCRIPTS_TEST_RUN"
 
 
@@ -129,9 +131,25 @@ def max_weight_difference(dir_a: Path, dir_b: Path) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def metrics(output_dir: Path) -> list[dict]:
-    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+def metrics(output_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    lines = (Path(output_dir) / name).read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def steps(output_dir: Path) -> list[dict]:
+    """steps.jsonl: the training and validation records every few steps."""
+    return metrics(output_dir, "steps.jsonl")
+
+
+MEASURED = {"epoch_time_s", "images_per_s", "items_per_s", "data_wait_s", "peak_mem_mb", "tflops"}  # vary per run
+
+
+def assert_same_records(records: list[dict], expected: list[dict], tolerance: float) -> None:
+    """The same records at the same steps (each once), with the same keys; learned numbers within tolerance."""
+    assert [(r["global_step"], sorted(r)) for r in records] == [(r["global_step"], sorted(r)) for r in expected]
+    for record, other in zip(records, expected):
+        for key in record.keys() - MEASURED:
+            assert record[key] == pytest.approx(other[key], abs=tolerance), (key, record, other)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

@@ -14,8 +14,8 @@ import distributed
 import builtin
 import utils
 
-from processes import (PYTHON, ROOT, TINY, free_port, max_weight_difference, metrics, python, run,
-                      run_parallel, torchrun, weights)
+from processes import (PYTHON, ROOT, TINY, assert_same_records, free_port, max_weight_difference, metrics, python,
+                       run, run_parallel, steps, torchrun, weights)
 
 
 def test_two_processes_equal_one_with_twice_the_batch(reference):
@@ -31,6 +31,25 @@ def test_two_processes_equal_one_with_twice_the_batch(reference):
         assert a["val_images"] == b["val_images"] == 207
         assert b["val_acc"] == a["val_acc"]
         assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+
+
+def test_records_every_few_steps_of_two_processes_equal_one(reference):
+    """steps.jsonl: a training record every --print-freq 10 steps and at each epoch's 32nd, the mean over every
+    rank's samples since the previous record; validation at steps 12 and 24 (--eval-every) and at each epoch's end,
+    every image once. Rank 0 alone writes it, with all ranks' numbers."""
+    one, two = steps(reference["one"]), steps(reference["two"])
+    assert_same_records(two, one, tolerance=1e-5)
+    train = [r for r in one if "train_loss" in r]
+    assert [(r["epoch"], r["step"]) for r in train[:5]] == [(1, 10), (1, 20), (1, 30), (1, 32), (2, 10)]
+    assert [r["global_step"] for r in train][-4:] == [74, 84, 94, 96]
+    validation = [r for r in two if "val_loss" in r]
+    assert [r["global_step"] for r in validation] == [12, 24, 32, 44, 56, 64, 76, 88, 96]
+    assert all(r["val_images"] == 207 for r in validation)
+    ends = [r for r in validation if r["step"] == 32]  # the epoch ends' validation is metrics.jsonl's
+    assert [r["val_loss"] for r in ends] == [m["val_loss"] for m in metrics(reference["two"])]
+    assert all(r["grad_norm"] > 0 and r["images_per_s"] > 0 and r["peak_mem_mb"] > 0 and r["lr"] > 0
+               for r in train[:-1])
+    assert "items_per_s" not in train[0]  # a mean loss: samples are the items
 
 
 def test_fake_data_is_learnable(reference):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import builtin
-from processes import TINY, finish, free_port, metrics, python, run, run_parallel, start, torchrun, wait_for, weights
+from processes import (EVAL_EVERY, TINY, assert_same_records, finish, free_port, metrics, python, run, run_parallel,
+                       start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
@@ -31,9 +32,10 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def fsdp(tmp_path_factory) -> dict[str, Path]:
     """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1."""
     base = tmp_path_factory.mktemp("fsdp")
-    run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", base / "two"))
-    run(torchrun(2, "distributed_fsdp.py", *EXACT, "--stop-after", "2", "--output-dir", base / "two-then-one"))
-    run(python("distributed_fsdp.py", *EXACT, "--output-dir", base / "two-then-one"))
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"))
+    stopped = ["--stop-after", "2", "--output-dir", base / "two-then-one"]
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped))
+    run(python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two-then-one"))
     return {"two": base / "two", "two then one": base / "two-then-one"}
 
 
@@ -44,6 +46,7 @@ def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
     for a, b in zip(metrics(fsdp["two"]), metrics(reference["one"])):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
         assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5) and a["val_images"] == b["val_images"] == 207
+    assert_same_records(steps(fsdp["two"]), steps(reference["one"]), tolerance=1e-5)  # the gradients' norm too
     # every rank wrote its own shard; the full weights have plain keys and load into the plain model
     assert sorted(p.name for p in (fsdp["two"] / "checkpoint").iterdir()) == [".metadata", "__0_0.distcp",
                                                                               "__1_0.distcp"]
@@ -65,6 +68,7 @@ def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     d = difference(full_weights(out), full_weights(fsdp["two"]))
     print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
     assert d <= 1e-5
+    assert_same_records(steps(out), steps(fsdp["two"]), tolerance=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -99,6 +103,8 @@ def test_sigterm_mid_epoch_continues_exactly(tmp_path):
     d = difference(full_weights(out), full_weights(tmp_path / "straight"))
     print(f"continued after SIGTERM vs straight: max weight difference {d:.1e}")
     assert d <= 1e-6
+    # records every 10 steps, checkpoints every 5: the sharded checkpoint keeps the sums the next record needs
+    assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)
 
 
 YOUR_LANGUAGE_MODEL = '''
@@ -187,3 +193,14 @@ def test_flags_of_ddp_end_in_one_line(tmp_path):
     result = run(python("distributed_fsdp.py", *TINY, "--sync-bn", "--output-dir", tmp_path), timeout=60, check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --sync-bn and --find-unused-parameters are DDP's")
+
+
+def test_a_pytorch_without_fully_shard_is_named_in_one_line(tmp_path):
+    """fully_shard is public from PyTorch 2.6 (requirements.txt allows 2.4): an older one, here one whose
+    torch.distributed.fsdp lacks it, ends with the version needed instead of an ImportError's traceback."""
+    (tmp_path / "sitecustomize.py").write_text("import torch.distributed.fsdp as f\ndel f.fully_shard\n")
+    result = run(python("distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=60, check=False,
+                 env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not {torch.__version__}")

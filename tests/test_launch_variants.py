@@ -3,24 +3,27 @@ from __future__ import annotations
 
 import socket
 
-from processes import TINY, free_port, max_weight_difference, metrics, python, run, run_parallel
+from processes import (EVAL_EVERY, TINY, assert_same_records, free_port, max_weight_difference, metrics, python, run,
+                       run_parallel, steps)
 
 
 def test_dataparallel_equals_single_process_ddp(tmp_path, reference):
     out = tmp_path / "dp"
-    result = run(python("dataparallel.py", *TINY, "--no-augment", "--output-dir", out))
+    result = run(python("dataparallel.py", *TINY, "--no-augment", *EVAL_EVERY, "--output-dir", out))
     if "no GPU visible" in result.stdout:  # CPU here and in CI; on a GPU machine DP really splits
         assert "training on the CPU" in result.stdout
     assert max_weight_difference(out, reference["one"]) <= 1e-5
     assert [m["world_size"] for m in metrics(out)] == [1, 1, 1]
     assert metrics(out)[-1]["val_acc"] > 0.6
+    assert_same_records(steps(out), steps(reference["one"]), tolerance=1e-5)
 
 
 def test_spawn_equals_torchrun(tmp_path, reference):
     out = tmp_path / "mp"
-    run(python("distributed_mp.py", *TINY, "--no-augment", "--nproc", "2", "--output-dir", out))
+    run(python("distributed_mp.py", *TINY, "--no-augment", *EVAL_EVERY, "--nproc", "2", "--output-dir", out))
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
     assert max_weight_difference(out, reference["two"]) <= 1e-5
+    assert_same_records(steps(out), steps(reference["two"]), tolerance=1e-5)
 
 
 def test_spawn_on_two_nodes_forms_one_world(tmp_path, reference):

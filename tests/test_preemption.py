@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import (TINY, finish, free_port, max_weight_difference, metrics, python, run, run_parallel, start,
-                       torchrun, wait_for)
+from processes import (TINY, assert_same_records, finish, free_port, max_weight_difference, metrics, python, run,
+                       run_parallel, start, steps, torchrun, wait_for)
 
 # with augmentation and the default recipe; epochs of about 2 s on 2 cores, to signal in the middle of one
-LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "1000"]
+LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "50"]
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -58,6 +58,7 @@ def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path
     difference = max_weight_difference(out, tmp_path / "straight")
     print(f"continued run vs straight run: max weight difference {difference:.1e}")
     assert difference <= 1e-6
+    assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)  # none twice, none missing
 
 
 @pytest.mark.parametrize("script, extra", [

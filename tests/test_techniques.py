@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from processes import TINY, max_weight_difference, metrics, python, run, torchrun, weights
+from processes import (EVAL_EVERY, TINY, assert_same_records, max_weight_difference, metrics, python, run, steps,
+                       torchrun, weights)
 
 SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CPU
 
@@ -40,17 +41,20 @@ def test_float16_overflow_is_skipped_and_continues_exactly(tmp_path):
 
 
 def test_accumulation_equals_one_big_batch(tmp_path, reference):
-    """2 processes x 4 micro-batches of 4 == 1 process x batch 32."""
+    """2 processes x 4 micro-batches of 4 == 1 process x batch 32: weights, epochs and the records of steps.jsonl,
+    one per optimizer step, never per micro-batch."""
     out = tmp_path / "accum"
-    run(torchrun(2, "distributed_grad_accum.py", *TINY, "--no-augment", "--accum-steps", "4",
+    run(torchrun(2, "distributed_grad_accum.py", *TINY, "--no-augment", *EVAL_EVERY, "--accum-steps", "4",
                  "--output-dir", out))
     assert max_weight_difference(out, reference["one"]) <= 1e-5
     for a, b in zip(metrics(out), metrics(reference["one"])):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
+    assert_same_records(steps(out), steps(reference["one"]), tolerance=1e-5)
 
 
-def test_gradients_are_all_reduced_once_per_optimizer_step():
-    result = run(torchrun(2, "tests/count_allreduce.py", *TINY, "--no-augment", "--accum-steps", "4"))
+def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path):
+    result = run(torchrun(2, "tests/count_allreduce.py", *TINY, "--no-augment", "--accum-steps", "4",
+                          "--output-dir", tmp_path))
     counts = json.loads(result.stdout.strip().splitlines()[-1])
     assert counts["optimizer_steps"] == counts["micro_batches"] // 4 > 0
     assert counts["all_reduces"] == counts["optimizer_steps"]

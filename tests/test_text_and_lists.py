@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from processes import PYTHON, finish, max_weight_difference, metrics, run, start, wait_for, weights
+from processes import (PYTHON, assert_same_records, finish, max_weight_difference, metrics, run, start, steps,
+                       wait_for, weights)
 from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_TAGGER = '''
@@ -65,6 +66,8 @@ def collate(samples):
 TOKEN_SUM = 'F.cross_entropy(outputs, targets, ignore_index=-100, reduction="sum"), (targets != -100).sum()'
 TOKEN_MEAN_PER_RANK = 'F.cross_entropy(outputs, targets, ignore_index=-100)'  # what the textbook loop does
 TEXT = [*COMMON, "--lr", "0.5"]
+# of 20 steps an epoch: training records at steps 6, 12, 18 and 20; validation at 8, 16 and 20
+RECORDS = ["--print-freq", "6", "--eval-every", "8"]
 
 
 def tagger(size: int = 640, loss: str = TOKEN_SUM) -> str:
@@ -89,7 +92,7 @@ def tagger_runs(tmp_path_factory) -> dict:
     for i, (name, (script, processes, flags, yours)) in enumerate(TAGGER_RUNS.items()):
         copy = copy_with_your_functions(script, base / f"copy{i}", yours)
         outputs[name] = base / f"out{i}"
-        run(launch(copy, processes, *TEXT, *flags, "--output-dir", outputs[name]), cwd=base)
+        run(launch(copy, processes, *TEXT, *flags, *RECORDS, "--output-dir", outputs[name]), cwd=base)
     return outputs
 
 
@@ -114,6 +117,18 @@ def test_a_token_loss_is_exact_over_ranks_and_micro_batches(tagger_runs):
             assert a["val_images"] == 203  # sentences, not tokens, each once
     for name in ("one process", "two processes, bfloat16"):
         assert metrics(tagger_runs[name])[-1]["val_acc"] > 0.9, metrics(tagger_runs[name])  # per token; chance 0.25
+
+
+def test_records_of_a_token_loss_are_exact_over_ranks_and_micro_batches(tagger_runs):
+    """steps.jsonl with (sum, count): every record's loss is the mean over all ranks' and micro-batches' tokens
+    since the previous record, one record per optimizer step, and tokens per second beside samples per second."""
+    one = steps(tagger_runs["one process"])
+    assert [r["global_step"] for r in one][:7] == [6, 8, 12, 16, 18, 20, 20]  # training, then validation, at 20
+    for name in ("two processes", "two processes x 2 micro-batches", "two processes, FSDP"):
+        assert_same_records(steps(tagger_runs[name]), one, tolerance=1e-5)
+    train = [r for r in one if "train_loss" in r]
+    assert all(r["items_per_s"] > r["images_per_s"] > 0 for r in train)  # 3 to 40 tokens a sentence
+    assert [r["val_images"] for r in one if "val_loss" in r] == [203] * 9
 
 
 def test_the_logged_validation_loss_is_the_mean_over_every_token(tagger_runs):

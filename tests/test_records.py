@@ -1,0 +1,89 @@
+"""Watching a long run: steps.jsonl and TensorBoard every few steps, unbroken by a crash between two checkpoints,
+and one line where the tensorboard package is missing. (Records of 2 processes equal those of 1 in
+test_distributed.py, of accumulated micro-batches in test_techniques.py, of a token loss in test_text_and_lists.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from processes import (MEASURED, TINY, assert_same_records, max_weight_difference, metrics, run, steps,
+                       torchrun)
+from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
+
+KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").replace(
+    """def build_model(args, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))""", """\
+import signal
+
+
+class KilledAt(nn.Sequential):
+    \"\"\"Kills its own process (SIGKILL: no chance to save) at the training forward KILL_AT_FORWARD, if set.\"\"\"
+    forwards = 0
+
+    def forward(self, x):
+        self.forwards += self.training
+        if self.forwards == int(os.environ.get("KILL_AT_FORWARD", 0)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def build_model(args, num_classes):  # dropout: the checkpoint keeps the random stream it draws from
+    return KilledAt(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, num_classes))""")
+
+# 62 steps an epoch; in epoch 2, a checkpoint at step 25 (global step 87), then training records at 28 and 35 and a
+# validation at 30 (global 90, 97, 92); the kill comes in step 38: what followed the checkpoint is written again
+WATCHED = [*COMMON, "--save-every", "25", "--print-freq", "7", "--eval-every", "15", "--tensorboard"]
+KILL_IN_EPOCH_2_STEP_38 = str(1 + 62 + 38)  # the start-up check's forward, epoch 1, then epoch 2's
+
+
+def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows: each tag's (step, value) points, read back as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(output_dir / "tensorboard"), size_guidance={"scalars": 0})  # keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_tensorboard_equals_the_records(output_dir) -> None:
+    records, scalars = steps(output_dir), tensorboard_scalars(output_dir)
+    expected = {key for record in records for key, value in record.items() if value is not None} - {
+        "epoch", "step", "global_step"}  # the position is the points' step
+    assert scalars.keys() == expected
+    for tag, points in scalars.items():
+        wanted = [(r["global_step"], r[tag]) for r in records if r.get(tag) is not None]
+        assert [step for step, _ in points] == [step for step, _ in wanted], tag  # none twice, none missing
+        assert [value for _, value in points] == pytest.approx([value for _, value in wanted], rel=1e-6), tag
+
+
+def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path):
+    """2 processes with dropout, killed between two --save-every checkpoints and continued by the same command: the
+    records after the checkpoint are written again, once; the first record after it, which spans it, equals the
+    straight run's too (the checkpoint keeps its sums); and TensorBoard purges what the continued run rewrites."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", KILLED_AT_A_KNOWN_STEP)
+    run(launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), cwd=tmp_path)
+    out = tmp_path / "killed"
+    killed = run(launch(copy, 2, *WATCHED, "--output-dir", out), env={"KILL_AT_FORWARD": KILL_IN_EPOCH_2_STEP_38},
+                 cwd=tmp_path, check=False)
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.stderr, killed.stderr
+    assert [r["global_step"] for r in steps(out)][-5:] == [77, 83, 90, 92, 97]  # the checkpoint's: 62 + 25 = 87
+    continued = run(launch(copy, 2, *WATCHED, "--output-dir", out), cwd=tmp_path)
+    assert "1 of 3 epochs done and 25 steps of the next" in continued.stdout
+    assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)
+    assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
+    assert metrics(out)[-1]["val_acc"] > 0.9
+    for run_dir in (tmp_path / "straight", out):
+        assert_tensorboard_equals_the_records(run_dir)
+    assert len(list((out / "tensorboard").iterdir())) == 2  # one event file a run; the reader purges the first's
+    print("the continued run rewrote global steps 90, 92 and 97 once; records, weights and TensorBoard equal "
+          f"the straight run's (measured keys {sorted(MEASURED & steps(out)[-2].keys())} aside)")
+
+
+def test_tensorboard_without_its_package_ends_every_rank_with_one_line(tmp_path):
+    """Asked for --tensorboard without the package: one line before any data or model is built, on every rank."""
+    missing = tmp_path / "site" / "tensorboard"  # on the path first: `import tensorboard` fails as if not installed
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'tensorboard'\")\n")
+    result = run(torchrun(2, "distributed.py", *TINY, "--tensorboard", "--output-dir", tmp_path / "out"),
+                 env={"PYTHONPATH": str(missing.parent)}, timeout=60, check=False)
+    line = "error: --tensorboard needs the tensorboard package: pip install tensorboard"
+    assert result.returncode != 0 and result.stderr.count(line) == 2, result.stderr
+    assert "world size" not in result.stdout and not (tmp_path / "out" / "tensorboard").exists()
