@@ -191,13 +191,13 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epo
         recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
         if args.clip_grad or recording:  # the norm before clipping (inf: measured only), over all shards
             scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf")).full_tensor()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # a DTensor
         scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.update()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
-            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())  # all shards' norm
         if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
             records.add(epoch, step, evaluate(model, val_loader, args, device))
             model.train()

@@ -256,7 +256,7 @@ def main():
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
         diverged, ends every rank."""
-        progress = records.state_dict()  # the sums since the last record, over all ranks: the next record needs them
+        progress = records.state_dict()  # the epoch's sums over all ranks: the next record and epoch need them
         with utils.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import EVAL_EVERY, ROOT, STARTED, TINY, kill_everything_started_by, python, run, torchrun
+from processes import EVAL_EVERY, LONG, ROOT, STARTED, TINY, kill_everything_started_by, python, run, torchrun
 
 sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
 
@@ -25,3 +25,11 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     run(python("distributed.py", *TINY, "--no-augment", *EVAL_EVERY, "--output-dir", base / "one"))
     run(torchrun(2, "distributed.py", *TINY, "--no-augment", *EVAL_EVERY, "--output-dir", base / "two"))
     return {"one": base / "one", "two": base / "two"}
+
+
+@pytest.fixture(scope="session")
+def long_straight(tmp_path_factory) -> Path:
+    """The long job (LONG) trained straight through with 2 processes: what a stopped or killed one must equal."""
+    out = tmp_path_factory.mktemp("long") / "straight"
+    run(torchrun(2, "distributed.py", *LONG, "--output-dir", out))
+    return out

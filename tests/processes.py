@@ -30,6 +30,8 @@ class RunFailed(AssertionError):
 TINY = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "1035", "--image-size", "16",
         "--batch-size", "32", "--epochs", "3", "--workers", "0",
         "--print-freq", "10", "--timeout", "60"]
+# with augmentation and the default recipe; epochs of about 2 s on 2 cores, to stop or kill in the middle of one
+LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "50"]
 EVAL_EVERY = ["--eval-every", "12"]  # and validated mid-epoch: at steps 12 and 24 of each epoch's 32
 MARKER = "DDP_SCRIPTS_TEST_RUN"
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-from functools import cache
 from pathlib import Path
 
 import pytest
 
-from processes import PYTHON, ROOT, run
+from processes import PYTHON, ROOT, run_parallel
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -40,9 +39,10 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
-@cache
-def help_text(script: str) -> str:
-    return run([PYTHON, script, "--help"], timeout=120).stdout
+def help_texts(scripts: set[str]) -> dict[str, str]:
+    """Each script's --help, all started at once: importing torch, in turn, would be most of this test's time."""
+    results = run_parallel([([PYTHON, script, "--help"], {}) for script in sorted(scripts)], timeout=120)
+    return dict(zip(sorted(scripts), (result.stdout for result in results)))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -66,6 +66,7 @@ def test_every_script_and_flag_in_the_commands_exists():
     named = [(page.name, script, flags) for page in PAGES for script, flags in commands(page)]
     assert len(named) >= 20 and {"distributed.py", "distributed_fsdp.py", "tests/benchmark.py"} <= {
         script for _, script, _ in named}  # the parser finds the commands
+    helps = help_texts({script for _, script, _ in named})
     for page, script, flags in named:
-        unknown = [f for f in flags if not re.search(rf"{re.escape(f)}\b", help_text(script))]
+        unknown = [f for f in flags if not re.search(rf"{re.escape(f)}\b", helps[script])]
         assert not unknown, f"{page}: {script} has no {unknown}"

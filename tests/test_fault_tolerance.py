@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from processes import (PYTHON, ROOT, TINY, finish, free_port, max_weight_difference, metrics,
-                      python, run, start, torchrun, training_processes, wait_for)
+from processes import (LONG, PYTHON, ROOT, TINY, assert_same_records, finish, free_port, max_weight_difference,
+                       metrics, python, run, start, steps, torchrun, training_processes, wait_for)
 
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
 SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]
@@ -24,11 +24,9 @@ def kill_one_worker_after_first_checkpoint(proc, marker, out, script: str) -> No
     os.kill(workers[-1], signal.SIGKILL)
 
 
-def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path):
-    two_epochs = [*SLOW, "--epochs", "2"]  # killed in the second, which the restarted group trains again
-    run(torchrun(2, "distributed.py", *two_epochs, "--output-dir", tmp_path / "straight"))
-    out = tmp_path / "killed"
-    cmd = torchrun(2, "distributed.py", *two_epochs, "--output-dir", out)
+def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path, long_straight):
+    out = tmp_path / "killed"  # in the second epoch, which the restarted group trains again
+    cmd = torchrun(2, "distributed.py", *LONG, "--output-dir", out)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=2")
     proc, marker = start(cmd)
     kill_one_worker_after_first_checkpoint(proc, marker, out, "distributed.py")
@@ -36,7 +34,8 @@ def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "continuing from" in result.stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
-    assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
+    assert max_weight_difference(out, long_straight) <= 1e-6
+    assert_same_records(steps(out), steps(long_straight), tolerance=1e-6)  # epoch 2's records written once
 
 
 def test_spawn_ends_every_process_when_one_child_dies(tmp_path):

@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import (TINY, assert_same_records, finish, free_port, max_weight_difference, metrics, python, run,
+from processes import (LONG, TINY, assert_same_records, finish, free_port, max_weight_difference, metrics, python, run,
                        run_parallel, start, steps, torchrun, wait_for)
 
-# with augmentation and the default recipe; epochs of about 2 s on 2 cores, to signal in the middle of one
-LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "50"]
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -31,8 +29,7 @@ def saved_position(out: Path) -> tuple[int, int]:
     return state["epoch"], state["step"]
 
 
-def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path):
-    run_parallel(by_hand(tmp_path / "straight", free_port()))
+def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path, long_straight):
     out = tmp_path / "preempted"
     ranks = [start(cmd, env) for cmd, env in by_hand(out, free_port())]
     wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
@@ -55,10 +52,10 @@ def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path
     second = run_parallel(by_hand(out, free_port()))
     assert f"1 of 2 epochs done and {step} steps of the next" in second[0].stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
-    difference = max_weight_difference(out, tmp_path / "straight")
+    difference = max_weight_difference(out, long_straight)
     print(f"continued run vs straight run: max weight difference {difference:.1e}")
     assert difference <= 1e-6
-    assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)  # none twice, none missing
+    assert_same_records(steps(out), steps(long_straight), tolerance=1e-6)  # none twice, none missing
 
 
 @pytest.mark.parametrize("script, extra", [
@@ -129,7 +126,7 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
             f"another --output-dir")
     assert full.returncode != 0 and full.stderr.count(line) == 2, full.stderr  # one line from each rank
     assert "distributed.py\", line" not in full.stderr and "enforce fail" not in full.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl"]  # no temporary file
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]  # no temporary file
     assert saved_position(out) == (1, 0)  # the previous checkpoint, whole
 
     filler.unlink()

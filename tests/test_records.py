@@ -87,3 +87,15 @@ def test_tensorboard_without_its_package_ends_every_rank_with_one_line(tmp_path)
     line = "error: --tensorboard needs the tensorboard package: pip install tensorboard"
     assert result.returncode != 0 and result.stderr.count(line) == 2, result.stderr
     assert "world size" not in result.stdout and not (tmp_path / "out" / "tensorboard").exists()
+
+
+def test_the_records_plot_as_curves(reference, tmp_path):
+    """tests/plot_records.py, which drew docs/curves.svg: one line per series, every record a point."""
+    import xml.etree.ElementTree as ET
+    from plot_records import read, svg
+    points = read(reference["two"] / "steps.jsonl")
+    (tmp_path / "curves.svg").write_text(svg(points, "the reference job"))
+    lines = ET.parse(tmp_path / "curves.svg").getroot().findall("{http://www.w3.org/2000/svg}polyline")
+    assert [len(line.get("points").split()) for line in lines] == [len(points[k]) for k in
+                                                                   ("train_loss", "val_loss", "val_acc")]
+    assert len(points["train_loss"]) == 12 and len(points["val_loss"]) == 9  # 4 and 3 an epoch
