@@ -13,7 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import TINY, max_weight_difference, metrics, python, run, torchrun, weights  # noqa: E402
+from processes import (EVAL_EVERY, TINY, max_weight_difference, metrics, python, run, steps,  # noqa: E402
+                       torchrun, weights)
 
 failures = []
 
@@ -28,8 +29,8 @@ def main() -> None:
     assert torch.cuda.is_available(), "no GPU visible"
     print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, PyTorch {torch.__version__}")
     tmp = Path(tempfile.mkdtemp())
-    exact = [*TINY, "--no-augment"]
-    result = run(python("distributed.py", *exact, "--output-dir", tmp / "ddp"))
+    exact = [*TINY, "--no-augment", *EVAL_EVERY]
+    result = run(python("distributed.py", *exact, "--tensorboard", "--output-dir", tmp / "ddp"))
     m = metrics(tmp / "ddp")[-1]
     check("distributed.py on cuda (nccl, world 1) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}")
     warned = "barrier(): using the device" in result.stderr  # device_id given to init_process_group: no guess
@@ -65,6 +66,12 @@ def main() -> None:
     full = torch.load(tmp / "fsdp" / "model.pt", weights_only=True)
     d = max((full[k].double() - w.double()).abs().max().item() for k, w in weights(tmp / "ddp").items())
     check("distributed_fsdp.py (nccl, fp32) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    fsdp, ddp = steps(tmp / "fsdp"), steps(tmp / "ddp")
+    d = max(abs(a[k] - b[k]) for a, b in zip(fsdp, ddp) for k in ("train_loss", "val_loss", "grad_norm") if k in a)
+    same = [r["global_step"] for r in fsdp] == [r["global_step"] for r in ddp]
+    check("FSDP's records (losses, the norm over nccl shards) == DDP's", same and d <= 1e-4, f"max difference {d:.2e}")
+    events = list((tmp / "ddp" / "tensorboard").glob("events.out.tfevents.*"))
+    check("--tensorboard on a GPU run wrote its event file", len(events) == 1, f"{len(events)} event files")
     run(torchrun(1, "distributed_fsdp.py", *exact, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
     m = metrics(tmp / "fsdp-bf16")[-1]
     check("FSDP bfloat16 (MixedPrecisionPolicy) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
