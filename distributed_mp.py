@@ -174,14 +174,8 @@ def evaluate(model, loader, args, device) -> dict:
 
 
 def worker(local_rank: int, args, errors) -> None:
-    """One spawned process; its one-line error goes to the parent, which prints it."""
-    try:
-        utils.run_main(lambda: train(local_rank, args))
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            errors.put(e.code)
-            sys.exit(1)
-        raise  # 0, or 128 + signal after a stop that the child reported itself
+    """One spawned process; its one-line error goes to the parent, which prints it (a stop it prints itself)."""
+    utils.run_main(lambda: train(local_rank, args), say=errors.put)
 
 
 def train(local_rank: int, args) -> None:

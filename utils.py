@@ -114,8 +114,8 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def run_main(main: Callable[[], None]) -> None:
-    """Run main(); an error a user can cause ends in one line and a non-zero exit; always tear down."""
+def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda line: print(line, file=sys.stderr)):
+    """Run main(); a user's error ends in one line, said (printed, or to distributed_mp.py's parent), exit 1."""
     status: int | str = 0
     try:
         main()
@@ -139,9 +139,10 @@ def run_main(main: Callable[[], None]) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if isinstance(status, str):
-        sys.exit(status)  # the one line (distributed_mp.py's parent reads it from the SystemExit)
-    # a run that ended or stopped well, all written: end without the interpreter's shutdown, where gloo's threads
-    # still abort about one 2-process run in 50 on PyTorch 2.14 ("terminate called without an active exception")
+        say(status)
+        status = 1
+    # all written or said: end without the interpreter's shutdown, where gloo's threads still abort about one
+    # 2-process run in 50 on PyTorch 2.14 ("terminate called without an active exception"), after an error too
     sys.stdout.flush()
     os._exit(status)
 
@@ -417,9 +418,9 @@ class StepRecords:
             self.writer.flush()  # on disk before a later checkpoint: a kill loses no point that the checkpoint keeps
 
 
-def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default)
-    return " ".join(f"{key} {record[key]:.4{'f' if key.endswith(('loss', 'acc')) else 'g'}}" for key in keys or record
-                    if record[key] is not None)  # losses and accuracies to 4 decimals, the rest to 4 digits
+def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default); losses and accuracies
+    return " ".join(f"{k} {record[k]:.4{'f' if k.endswith(('loss', 'acc')) else 'g'}}" for k in keys or record
+                    if record[k] is not None)  # to 4 decimals, the rest to 4 digits
 
 
 def log_epoch(record: dict, epochs: int) -> None:
@@ -503,8 +504,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """This rank's peak memory in MB: on a GPU, allocated; on the CPU, resident (Linux reports KiB)."""
+def peak_memory_mb(device: torch.device) -> float:  # this rank's: on a GPU allocated, on the CPU resident (KiB)
     return (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
