@@ -14,7 +14,7 @@ import utils  # first: it quiets PyTorch's C++ logging before torch loads
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler, default_collate
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 from utils import UsageError, log
 
 
@@ -77,13 +77,14 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # one process loads the whole batch; DataParallel splits it over the GPUs. A seeded generator
     # gives the same shuffle as the DDP scripts' DistributedSampler at world size 1
     shuffle = torch.Generator()
-    # its own generator for worker seeds: the global random stream stays the model's (dropout)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
-                              drop_last=True, generator=torch.Generator(), **common)
-    val_loader = DataLoader(val_set, args.batch_size, **common)  # every image once, in order
-    if len(train_loader) == 0:
-        raise UsageError(f"{len(train_set)} training samples make no full batch of {args.batch_size}: "
-                         f"lower --batch-size or use more data")
+    if isinstance(train_set, IterableDataset):  # a stream: its global batches, read as the DDP scripts do
+        train_loader = utils.stream_loader(train_set, args.batch_size, 0, 1, True, generator=torch.Generator(),
+                                           **common)
+    else:  # its own generator for worker seeds: the global random stream stays the model's (dropout)
+        train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
+                                  drop_last=True, generator=torch.Generator(), **common)
+    val_loader = (utils.stream_loader(val_set, args.batch_size, 0, 1, False, **common)  # every image once, in order
+                  if isinstance(val_set, IterableDataset) else DataLoader(val_set, args.batch_size, **common))
     return train_loader, val_loader, shuffle
 
 
@@ -91,15 +92,18 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int,
                     stop, save, records) -> dict:
     model.train()
     meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
-    steps = first_step + len(loader)  # continued mid-epoch: loader holds the rest
-    for step, (samples, batch) in enumerate(meter.timed(loader), first_step + 1):
+    steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    # every rank takes the same steps: a stream that ends unevenly stops all after the same one
+    for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
                                                 key=(epoch, step))
         outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         utils.loss_for_backward(loss).backward()  # replicas' gradients are summed onto the first GPU
-        recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all after this step
+        signum, last = stop.agreed()
+        recording = step % args.print_freq == 0 or last  # a record every --print-freq steps and at the end
         if args.clip_grad or recording:  # the gradients' norm before clipping
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
         optimizer.step()
@@ -107,10 +111,9 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int,
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
-        if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
+        if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
             records.add(epoch, step, evaluate(model, val_loader, args, device))
             model.train()
-        signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
@@ -152,6 +155,8 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader, shuffle = build_loaders(train_set, val_set, args, device)
+    # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
@@ -166,12 +171,12 @@ def main():
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader), args.warmup)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
     # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
-    records = utils.StepRecords(output_dir, args, rank, len(train_loader))
+    records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
@@ -201,13 +206,13 @@ def main():
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
         shuffle.manual_seed(args.seed + epoch)  # a new shuffle each epoch, as DistributedSampler's
-        # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.skip_batches(train_loader, first_step) if first_step else train_loader
+        # (a stream's set_epoch); continued mid-epoch: the same order, without the batches already trained on
+        loader = utils.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
                                  device, stop, save, records)
         first_step = 0
         validation = evaluate(model, val_loader, args, device)
-        records.add(epoch, len(train_loader), validation)  # at the epoch's last step
+        records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       **utils.memory_mb(model, optimizer, device),

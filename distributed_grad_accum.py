@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from datetime import timedelta
-from itertools import islice
 from pathlib import Path
 
 import utils  # first: it quiets PyTorch's C++ logging before torch loads
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
 
 
@@ -116,19 +115,22 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
                   persistent_workers=args.workers > 0)
-    # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
-    # dropped so that every rank takes the same number of steps
-    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
-                                       drop_last=True)
-    # its own generator for worker seeds: the global random stream stays the model's (dropout)
-    train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
-                              generator=torch.Generator(), **common)
-    # validation: rank r takes images r, r+W, r+2W, ...: every image exactly once
-    # (DistributedSampler would pad the last shard with repeated images)
-    val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
-    if len(train_loader) == 0:
-        raise UsageError(f"{len(train_set)} training samples make no full batch of {batch_per_rank} "
-                         f"per process: lower --batch-size or use more data")
+    if isinstance(train_set, IterableDataset):  # a stream: each rank its part of every global batch
+        train_loader = utils.stream_loader(train_set, batch_per_rank, rank, world_size, True,
+                                           generator=torch.Generator(), **common)
+    else:
+        # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
+        # dropped so that every rank takes the same number of steps
+        train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
+                                           drop_last=True)
+        # its own generator for worker seeds: the global random stream stays the model's (dropout)
+        train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
+                                  generator=torch.Generator(), **common)
+    # validation: rank r takes images r, r+W, r+2W, ... (a stream's: its part of each global batch):
+    # every image exactly once (DistributedSampler would pad the last shard with repeated images)
+    val_loader = (utils.stream_loader(val_set, batch_per_rank, rank, world_size, False, **common)
+                  if isinstance(val_set, IterableDataset) else
+                  DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common))
     return train_loader, val_loader
 
 
@@ -137,30 +139,29 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int,
     model.train()
     meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     k = args.accum_steps
-    steps = first_step + len(loader) // k  # leftover micro-batches would make a smaller step: skip them
-    items = 0  # of a (sum, count) loss: the count of this step's micro-batches so far
-    for micro_step, (samples, batch) in enumerate(islice(meter.timed(loader), (steps - first_step) * k),
-                                                  first_step * k + 1):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
-                                                key=(epoch, micro_step))
-        last = micro_step % k == 0
-        # no_sync covers forward too: DDP prepares its all-reduce during forward
-        with nullcontext() if last or args.sync_every_micro_batch else model.no_sync():
-            outputs = utils.forward(model, inputs)
-            loss = compute_loss(outputs, targets)
-            if isinstance(loss, torch.Tensor):
-                (loss / k).backward()  # the K micro-batch means add up to the full batch's mean
-            else:  # (sum, count): the step's count is known after its last micro-batch; divided by it below
-                (loss[0] / (k * loader.batch_size)).backward()
-                items = items + loss[1]
-        meter.update(loss, outputs, targets, samples)
-        if not last:
-            continue
+    steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    # K micro-batches a step (zip drops a remainder, which would make a smaller step); every rank takes the same
+    # steps: a stream that ends unevenly stops all after the same one
+    for step, micro_batches in stop.steps(zip(*[meter.timed(loader)] * k), first_step, steps):
+        items = 0  # of a (sum, count) loss: the count of this step's micro-batches so far
+        for micro_step, (samples, batch) in enumerate(micro_batches, (step - 1) * k + 1):
+            inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
+                                                    key=(epoch, micro_step))
+            # no_sync covers forward too: DDP prepares its all-reduce during forward
+            with nullcontext() if micro_step % k == 0 or args.sync_every_micro_batch else model.no_sync():
+                outputs = utils.forward(model, inputs)
+                loss = compute_loss(outputs, targets)
+                if isinstance(loss, torch.Tensor):
+                    (loss / k).backward()  # the K micro-batch means add up to the full batch's mean
+                else:  # (sum, count): the step's count is known after its last micro-batch; divided by it below
+                    (loss[0] / (k * samples)).backward()
+                    items = items + loss[1]
+            meter.update(loss, outputs, targets, samples)
         if not isinstance(loss, torch.Tensor):
             divide_by_items(model, items, args.batch_size)
-            items = 0
-        step = micro_step // k
-        recording = step % args.print_freq == 0 or step == steps  # a record every --print-freq steps and at the end
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all after this step
+        signum, last = stop.agreed()
+        recording = step % args.print_freq == 0 or last  # a record every --print-freq steps and at the end
         if args.clip_grad or recording:  # the gradients' norm before clipping (all ranks hold the same gradients)
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
         optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
@@ -168,10 +169,9 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int,
         optimizer.zero_grad(set_to_none=True)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
-        if args.eval_every and step % args.eval_every == 0 and step < steps:  # --eval-every N: mid-epoch too
+        if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
             records.add(epoch, step, evaluate(model, val_loader, args, device))
             model.train()
-        signum = stop.agreed()  # SIGTERM or SIGUSR1 on any rank: every rank stops after this same step
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
@@ -227,6 +227,8 @@ def main():
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
                                              world_size, device)
+    # full batches of K micro-batches, cut at --steps-per-epoch (which a stream without __len__ needs)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args, args.accum_steps)
     model = build_model(args, num_classes)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
@@ -246,12 +248,12 @@ def main():
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(train_loader) // args.accum_steps, args.warmup)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     checkpoint_path = output_dir / "checkpoint.pt"
     metrics_path = output_dir / "metrics.jsonl"
     # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
-    records = utils.StepRecords(output_dir, args, rank, len(train_loader) // args.accum_steps)
+    records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
@@ -280,14 +282,14 @@ def main():
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks
+        # a new shuffle each epoch, the same on all ranks (the sampler's or the stream's set_epoch);
         # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.skip_batches(train_loader, first_step * args.accum_steps) if first_step else train_loader
+        loader = utils.epoch_loader(train_loader, epoch, first_step * args.accum_steps)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
                                  device, stop, save, records)
         first_step = 0
         validation = evaluate(model, val_loader, args, device)
-        records.add(epoch, len(train_loader) // args.accum_steps, validation)  # at the epoch's last step
+        records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,
                       **utils.memory_mb(model, optimizer, device),

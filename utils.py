@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map_only  # nested tuples, lists and dicts of tensors
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 log = logging.getLogger("train")
 
@@ -52,6 +52,7 @@ def build_parser(description: str) -> ArgumentParser:
     add("--no-augment", action="store_true", help="no random crops or flips (exact reproducibility checks)")
     add("--arch", default="resnet18", help="tiny, or a torchvision classifier name")
     add("--epochs", type=int, default=30, help="planned epochs (the lr schedule spans them)")
+    add("--steps-per-epoch", type=int, default=None, metavar="N", help="cut epochs at N steps (a stream without len)")
     add("--stop-after", type=int, default=None, metavar="N", help="end after N epochs; the same command continues")
     add("--batch-size", type=int, default=256, help="GLOBAL batch size, split evenly over all processes")
     add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
@@ -82,7 +83,8 @@ def build_parser(description: str) -> ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Catch impossible values before any process group or data is touched; fill machine defaults."""
-    for name in "epochs batch_size fake_size image_size print_freq eval_every stop_after save_every".split():
+    for name in ("epochs batch_size fake_size image_size print_freq eval_every stop_after save_every "
+                 "steps_per_epoch").split():
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.workers or 0, args.seed) < 0 or min(args.timeout, args.clip_grad or 1) <= 0 or not 0 <= args.warmup < 1:
@@ -449,16 +451,21 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
     with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_available() else []):
         # one rank's error ends every rank with its line; before backward(), a collective under FSDP
         with errors_shared_by_all_ranks():
-            samples, batch = loader.collate_fn([loader.dataset[i] for i in itertools.islice(loader.sampler, 2)])
+            try:
+                samples, batch = loader.collate_fn(first_samples(loader, 2))
+            except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
+                raise UsageError(f"collate cannot batch the first samples ({first_line(e)}): make them one size, "
+                                 f"or pad them in your collate") from None
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
             try:
                 with FlopCounterMode(display=False) as forward_flops:
                     outputs = forward(model.train(), inputs)
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
                 raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
-            if is_default_loss(compute_loss):  # on a GPU a bad label is a device-side assert that kills the process
-                _, first_batch = next(iter(loader))  # its targets: more labels than two samples have
-                check_class_targets(outputs, batch_to_device(first_batch, device, loader.dataset)[1])
+            # on a GPU a bad label is a device-side assert that kills the process; the first batch's targets: more
+            # labels than two samples have (a stream too short for one is told in training)
+            if is_default_loss(compute_loss) and (first_batch := next(iter(loader), None)):
+                check_class_targets(outputs, batch_to_device(first_batch[1], device, loader.dataset)[1])
             loss = compute_loss(outputs, targets)
             check_loss(loss)
         with FlopCounterMode(display=False) as backward_flops:
@@ -535,18 +542,51 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float) -
 
 
 class StopSignal:
-    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once."""
+    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once, and makes every rank take
+    the same steps: each step starts an all-reduce of the signal and of whether a rank lacks the next batch."""
 
     def __init__(self):
-        self.signal = 0
+        self.signal, self.work, self.flags = 0, None, torch.zeros(2, dtype=torch.long)
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, lambda received, frame: setattr(self, "signal", received))
-        # with GPUs the flag goes over the CPU: no GPU synchronisation every step
+        # with GPUs the flags go over the CPU: no GPU synchronisation every step
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_backend() != "gloo" else None
 
-    def agreed(self) -> int:
-        """The signal any rank got, or 0, so that all stop after the same step; every rank calls it every step."""
-        return int(all_reduce(torch.tensor(self.signal), dist.ReduceOp.MAX, self.group))
+    def start(self, last: bool) -> None:  # the flags of all ranks, summed while the step computes
+        self.flags = torch.tensor([self.signal, int(last)])
+        self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, async_op=True) if (
+            dist.is_initialized()) else None
+
+    def agreed(self) -> tuple[int, bool]:
+        """(the signal any rank got or 0, is this step the epoch's last on some rank), as the step began: every rank
+        stops after the same step. Waits for the all-reduce; called once a step, after the step's work."""
+        if self.work:
+            self.work.wait()
+            self.work = None
+        return int(self.flags[0]), bool(self.flags[1])
+
+    def steps(self, batches, first_step: int, steps: int):
+        """(step, batch) from first_step + 1 to steps while every rank has a batch: a stream that ends early, or
+        for one rank sooner, ends the epoch after the same step on all. Reads one batch ahead to know."""
+        batches = iter(batches)
+        ahead = next(batches, None) if first_step < steps else None
+        self.start(ahead is None)
+        if self.agreed()[1]:  # no batch, on some rank, for the epoch's first step
+            if first_step == 0:
+                raise UsageError("the training data gave no full batch this epoch: lower --batch-size, or give a "
+                                 "stream that starts again at each iter()")
+            return
+        for step in range(first_step + 1, steps + 1):
+            batch, ahead = ahead, next(batches, None) if step < steps else None
+            self.start(ahead is None)  # waited for by agreed(), after this step's forward and backward
+            yield step, batch
+            if self.agreed()[1]:
+                return
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Is flag true on any rank? A collective."""
+    return bool(all_reduce(torch.tensor(int(flag), device=device), dist.ReduceOp.MAX))
 
 
 @contextlib.contextmanager
@@ -589,11 +629,80 @@ def save_checkpoint(state: dict, path: Path) -> None:
         raise OSError(e.errno, e.strerror, str(path)) from None
 
 
-def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
-    """The loader without its first batches, in its sampler's order: a run continued mid-epoch."""
-    return DataLoader(loader.dataset, loader.batch_size, sampler=list(loader.sampler)[batches * loader.batch_size:],
-                      drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+class GlobalBatches(IterableDataset):
+    """A stream read as global batches of part x world_size samples: this rank's part of each, a list for collate,
+    each DataLoader worker its own global batches, so that world size and workers change nothing. Training drops an
+    incomplete last batch; validation shares it out, each sample once. Every rank and worker reads the whole stream."""
+
+    def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, drop_last: bool = True):
+        self.stream, self.part, self.rank, self.size, self.drop_last = stream, part, rank, part * world_size, drop_last
+        # the epoch, and the global batches to skip, in shared memory: persistent workers read them at each iter()
+        self.position = torch.zeros(2, dtype=torch.long).share_memory_()
+
+    def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
+        return (len(self.stream) + (0 if self.drop_last else self.size - 1)) // self.size
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.position.copy_(torch.tensor([epoch, skip]))
+
+    def __iter__(self):
+        epoch, skip = self.position.tolist()
+        if hasattr(self.stream, "set_epoch"):  # a new shuffle each epoch, in this worker's copy of the stream too
+            self.stream.set_epoch(epoch)
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        samples = iter(self.stream)
+        for index in itertools.count():
+            batch = list(itertools.islice(samples, self.size))
+            if not batch or (self.drop_last and len(batch) < self.size):
+                return
+            part = batch[self.rank * self.part:(self.rank + 1) * self.part]
+            if part and index >= skip and (index - skip) % workers == worker:  # in order: DataLoader's round robin
+                yield part
+
+
+def stream_loader(stream: IterableDataset, part: int, rank: int, world_size: int, drop_last: bool,
+                  **loader_args) -> DataLoader:
+    """A DataLoader of this rank's part of each of a stream's global batches (GlobalBatches)."""
+    return DataLoader(GlobalBatches(stream, part, rank, world_size, drop_last), batch_size=None, **loader_args)
+
+
+def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch; one line if none."""
+    try:
+        batches = len(loader) // micro_batches
+    except TypeError:  # a stream without __len__: an epoch is one pass, cut at N steps if it lasts that long
+        if not args.steps_per_epoch:
+            raise UsageError("the training set is a stream without __len__: give --steps-per-epoch N, the "
+                             "optimizer steps of an epoch") from None
+        return args.steps_per_epoch
+    if batches == 0:
+        data = loader.dataset.stream if isinstance(loader.dataset, GlobalBatches) else loader.dataset
+        raise UsageError(f"{len(data)} training samples make no full batch of {args.batch_size}: lower "
+                         f"--batch-size or use more data")
+    return min(batches, args.steps_per_epoch or batches)
+
+
+def epoch_loader(loader: DataLoader, epoch: int, skip: int = 0) -> DataLoader:
+    """The loader for this epoch, shuffled anew (the sampler's or the stream's set_epoch); without its first skip
+    batches, in the same order, for a run continued mid-epoch."""
+    stream = isinstance(loader.dataset, GlobalBatches)
+    if stream or hasattr(loader.sampler, "set_epoch"):
+        (loader.dataset if stream else loader.sampler).set_epoch(epoch, *([skip] if stream else []))
+    if not skip:
+        return loader
+    rest = dict(batch_size=None) if stream else dict(batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                                       sampler=list(loader.sampler)[skip * loader.batch_size:])
+    return DataLoader(loader.dataset, **rest, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, generator=loader.generator)
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples this rank's loader reads, a stream's from its start: for a step at start-up, a spare."""
+    if isinstance(loader.dataset, GlobalBatches):
+        return list(itertools.islice(loader.dataset.stream, n))
+    # an empty sampler (a validation share of nothing): the dataset's first
+    return [loader.dataset[i] for i in itertools.islice(loader.sampler or range(len(loader.dataset)), n)]
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:

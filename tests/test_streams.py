@@ -1,0 +1,208 @@
+"""Data that streams: build_datasets returns IterableDatasets (no __len__, no indexing), and every script trains on
+them as 1 process with the whole batch does, whatever the processes and DataLoader workers; a stream that ends
+sooner on one rank ends the epoch on all after the same step; validation counts each sample once; a run stopped
+mid-epoch continues exactly, on 2 processes or on 1; what cannot work ends in one line."""
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import utils
+from processes import assert_same_records, finish, max_weight_difference, metrics, start, steps, weights
+from test_your_own_data import COMMON, copy_with_your_functions, ends_every_rank_with, launch, users_code
+
+YOUR_STREAM = '''
+import os
+import signal
+
+
+class BlobStream(torch.utils.data.IterableDataset):
+    """Blobs read as they come: no __len__ (unless LENGTH is set), no indexing; a new order each epoch (set_epoch).
+    uneven: rank 1's stream goes on EXTRA_ON_RANK_1 samples longer, as a stream of other files might."""
+
+    def __init__(self, size, seed, uneven=False):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        self.labels = torch.randint(0, 4, (size,), generator=generator)
+        self.inputs = centres[self.labels] + 1.5 * torch.randn(size, 1, 8, 8, generator=generator)
+        self.seed, self.epoch, self.uneven = seed, 0, uneven
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        extra = int(os.environ.get("EXTRA_ON_RANK_1", 0)) if self.uneven and os.environ.get("RANK") == "1" else 0
+        for i in order.tolist() + order[:extra].tolist():
+            yield self.inputs[i], int(self.labels[i])
+
+
+class SizedBlobStream(BlobStream):
+    def __len__(self):
+        return len(self.labels)
+
+
+class StoppedAt(nn.Sequential):
+    """Rank 0 sends itself SIGTERM (a preemption) in its training forward TERM_AT_FORWARD, if set."""
+    forwards = 0
+
+    def forward(self, x):
+        self.forwards += self.training
+        if self.forwards == int(os.environ.get("TERM_AT_FORWARD", 0)) and os.environ.get("RANK", "0") == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().forward(x)
+
+
+def build_datasets(args):  # 203: an odd count, whose last global batch rank 1 gets nothing of
+    size = int(os.environ.get("TRAIN_SIZE", 640))
+    stream = SizedBlobStream if os.environ.get("LENGTH") else BlobStream
+    return stream(size, seed=1, uneven=True), stream(203, seed=2), 4
+
+
+def build_model(args, num_classes):
+    return StoppedAt(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+'''
+
+# 640 samples: 20 global batches of 32, fewer than the 25 steps planned: each epoch ends when the stream does
+STREAM = [*COMMON, "--steps-per-epoch", "25", "--print-freq", "6", "--eval-every", "8"]
+UNEVEN = {"EXTRA_ON_RANK_1": "48"}  # rank 1 could take a 21st step; rank 0 has none
+TERM_IN_EPOCH_2_STEP_7 = str(1 + 20 + 7)  # the start-up check's forward, epoch 1's 20, then epoch 2's
+
+
+def train(script: str, base, name: str, processes: int, *flags, env: dict | None = None, timeout: float = 120):
+    """The user's stream code in a copy of script, trained into base/name; the finished process."""
+    copy = copy_with_your_functions(script, base / f"copy-{script}", YOUR_STREAM)
+    return finish(*start(launch(copy, processes, *STREAM, *flags, "--output-dir", base / name),
+                         env=env, cwd=base), timeout)
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """The reference: 1 process, no workers. And 2 processes with 2 DataLoader workers each, rank 1's stream longer."""
+    base = tmp_path_factory.mktemp("streams")
+    one = train("distributed.py", base, "one", 1)
+    two = train("distributed.py", base, "two", 2, "--workers", "2", env=UNEVEN, timeout=90)  # no hang at the end
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    return base
+
+
+def assert_trained_as_the_reference(out, reference, tolerance: float) -> None:
+    assert_same_records(steps(out), steps(reference), tolerance)
+    if (out / "model.pt").exists():  # FSDP's whole weights, beside its sharded checkpoint
+        mine, theirs = torch.load(out / "model.pt", weights_only=True), weights(reference)
+        assert max((mine[k] - theirs[k]).abs().max().item() for k in theirs) <= tolerance
+    else:
+        assert max_weight_difference(out, reference) <= tolerance
+
+
+def test_two_processes_with_workers_and_uneven_ends_train_what_one_process_does(streamed):
+    records = steps(streamed / "two")
+    assert [r["step"] for r in records if r["epoch"] == 1] == [6, 8, 12, 16, 18, 20, 25]  # 20 steps of the 25 planned
+    assert_trained_as_the_reference(streamed / "two", streamed / "one", 1e-5)
+    assert {r["val_images"] for r in records if "val_images" in r} == {203}  # each sample once, over both ranks
+    assert metrics(streamed / "two")[-1]["val_acc"] > 0.9
+    # set_epoch reached the persistent workers: the epochs' losses differ as the reference's do (a new order each)
+    assert len({round(m["train_loss"], 6) for m in metrics(streamed / "one")}) == 3
+
+
+# (script, processes, flags, equal to the reference within)
+SCRIPTS = {
+    "dataparallel.py": ("dataparallel.py", 1, ["--workers", "2"], 1e-6),
+    "distributed_mp.py": ("distributed_mp.py", 2, [], 1e-5),
+    "distributed_grad_accum.py": ("distributed_grad_accum.py", 2, ["--accum-steps", "2", "--workers", "1"], 1e-5),
+    "distributed_fsdp.py": ("distributed_fsdp.py", 2, [], 1e-5),
+    "distributed_amp.py": ("distributed_amp.py", 2, ["--amp-dtype", "bfloat16"], None),  # other arithmetic: learns
+}
+
+
+@pytest.mark.parametrize("case", SCRIPTS)
+def test_a_stream_trains_in_every_script(case, streamed, tmp_path):
+    script, processes, flags, tolerance = SCRIPTS[case]
+    result = train(script, tmp_path, "out", processes, *flags, env=UNEVEN, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    assert {r["val_images"] for r in steps(out) if "val_images" in r} == {203}
+    if tolerance:
+        assert_trained_as_the_reference(out, streamed / "one", tolerance)
+    else:
+        assert metrics(out)[-1]["val_acc"] > 0.9
+
+
+def test_a_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_one(streamed, tmp_path):
+    """SIGTERM on rank 0 in epoch 2's step 7: every rank stops after step 8 (the agreement runs a step behind) and
+    saves; the same command continues on 2 processes, and a copy of the checkpoint on 1, each reading the stream
+    from the global batch where it stopped."""
+    stopped = train("distributed.py", tmp_path, "stopped", 2, "--workers", "2",
+                    env={**UNEVEN, "TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7})
+    assert stopped.returncode != 0 and "stopped by SIGTERM after step 8/25 of epoch 2" in stopped.stderr, stopped.stderr
+    shutil.copytree(tmp_path / "stopped", tmp_path / "on-one")
+    again = train("distributed.py", tmp_path, "stopped", 2, "--workers", "2", env=UNEVEN)
+    assert again.returncode == 0 and "1 of 3 epochs done and 8 steps of the next" in again.stdout, again.stderr
+    assert_trained_as_the_reference(tmp_path / "stopped", streamed / "two", 1e-6)
+    on_one = train("distributed.py", tmp_path, "on-one", 1)
+    assert on_one.returncode == 0, on_one.stderr
+    assert_trained_as_the_reference(tmp_path / "on-one", streamed / "two", 1e-5)
+
+
+def test_what_a_stream_cannot_do_ends_every_rank_with_one_line(tmp_path):
+    """Started at once: no --steps-per-epoch for a stream without __len__ (2 processes); fewer samples than one
+    global batch, with and without __len__; samples collate cannot stack."""
+    ragged = YOUR_STREAM.replace("yield self.inputs[i], int(self.labels[i])",
+                                 "yield self.inputs[i][:, :1 + i % 8], int(self.labels[i])")
+    copies = {name: copy_with_your_functions("distributed.py", tmp_path / name, code)
+              for name, code in (("yours", YOUR_STREAM), ("ragged", ragged))}
+    no_cut = [arg for arg in STREAM if arg not in ("--steps-per-epoch", "25")]
+    runs = {  # name: (copy, processes, flags, environment, the line)
+        "no cut": ("yours", 2, no_cut, {}, "error: the training set is a stream without __len__: give "
+                                           "--steps-per-epoch N, the optimizer steps of an epoch"),
+        "short, sized": ("yours", 1, STREAM, {"TRAIN_SIZE": "20", "LENGTH": "1"},
+                         "error: 20 training samples make no full batch of 32: lower --batch-size or use more data"),
+        "short": ("yours", 1, STREAM, {"TRAIN_SIZE": "20"}, "error: the training data gave no full batch this epoch"),
+        "ragged": ("ragged", 1, STREAM, {}, "error: collate cannot batch the first samples (stack expects each "
+                                            "tensor to be equal size"),
+    }
+    started = {name: start(launch(copies[copy], processes, *flags, "--output-dir", tmp_path / name), env=env,
+                           cwd=tmp_path) for name, (copy, processes, flags, env, _) in runs.items()}
+    for name, (_, processes, _, _, line) in runs.items():
+        ends_every_rank_with(finish(*started[name], timeout=90), line, processes)
+
+
+def split(stream, batch_per_rank: int, world_size: int, workers: int, skip: int = 0) -> list[list[int]]:
+    """What each rank's loader gives, in order: the samples of each of its batches."""
+    given = []
+    for rank in range(world_size):
+        loader = utils.stream_loader(stream, batch_per_rank, rank, world_size, True, num_workers=workers,
+                                     collate_fn=list)
+        given.append([batch for batch in utils.epoch_loader(loader, 0, skip)])
+    return given
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores: for the split only
+def test_the_split_gives_every_sample_of_a_full_global_batch_once_in_order_with_any_workers():
+    numbers = type("Numbers", (torch.utils.data.IterableDataset,), {"__iter__": lambda self: iter(range(100))})()
+    for workers in (0, 3):
+        ranks = split(numbers, 8, 2, workers)
+        # 6 full global batches of 16 (4 samples dropped): rank r gets samples 8r..8r+7 of each, in order
+        assert ranks == [[list(range(16 * b + 8 * r, 16 * b + 8 * r + 8)) for b in range(6)] for r in range(2)]
+        assert split(numbers, 8, 2, workers, skip=4) == [batches[4:] for batches in ranks]  # a continued epoch
+    validation = utils.GlobalBatches(numbers, 8, 1, 2, drop_last=False)  # rank 1 of 2: the last 4 samples are rank 0's
+    assert [s for part in validation for s in part] == [s for b in range(6) for s in range(16 * b + 8, 16 * b + 16)]
+
+
+def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
+    yours = users_code(YOUR_STREAM)
+    args = argparse.Namespace(steps_per_epoch=None, batch_size=32)
+    sized = DataLoader(utils.GlobalBatches(yours["SizedBlobStream"](640, 1), 16, 0, 2), batch_size=None)
+    assert utils.steps_per_epoch(sized, args) == 20 and utils.steps_per_epoch(sized, args, 4) == 5
+    args.steps_per_epoch = 15
+    assert utils.steps_per_epoch(sized, args) == 15  # cut
+    unsized = DataLoader(utils.GlobalBatches(yours["BlobStream"](640, 1), 16, 0, 2), batch_size=None)
+    assert utils.steps_per_epoch(unsized, args) == 15
