@@ -78,12 +78,12 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # gives the same shuffle as the DDP scripts' DistributedSampler at world size 1
     shuffle = torch.Generator()
     if isinstance(train_set, IterableDataset):  # a stream: its global batches, read as the DDP scripts do
-        train_loader = utils.stream_loader(train_set, args.batch_size, 0, 1, True, generator=torch.Generator(),
-                                           **common)
+        train_loader = DataLoader(utils.GlobalBatches(train_set, args.batch_size, 0, 1), None,
+                                  generator=torch.Generator(), **common)
     else:  # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
                                   drop_last=True, generator=torch.Generator(), **common)
-    val_loader = (utils.stream_loader(val_set, args.batch_size, 0, 1, False, **common)  # every image once, in order
+    val_loader = (DataLoader(utils.GlobalBatches(val_set, args.batch_size, 0, 1, False), None, **common)  # in order
                   if isinstance(val_set, IterableDataset) else DataLoader(val_set, args.batch_size, **common))
     return train_loader, val_loader, shuffle
 

@@ -127,8 +127,8 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
                   persistent_workers=args.workers > 0)
     if isinstance(train_set, IterableDataset):  # a stream: each rank its part of every global batch
-        train_loader = utils.stream_loader(train_set, batch_per_rank, rank, world_size, True,
-                                           generator=torch.Generator(), **common)
+        train_loader = DataLoader(utils.GlobalBatches(train_set, batch_per_rank, rank, world_size), None,
+                                  generator=torch.Generator(), **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -139,7 +139,7 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
                                   generator=torch.Generator(), **common)
     # validation: rank r takes images r, r+W, r+2W, ... (a stream's: its part of each global batch):
     # every image exactly once (DistributedSampler would pad the last shard with repeated images)
-    val_loader = (utils.stream_loader(val_set, batch_per_rank, rank, world_size, False, **common)
+    val_loader = (DataLoader(utils.GlobalBatches(val_set, batch_per_rank, rank, world_size, False), None, **common)
                   if isinstance(val_set, IterableDataset) else
                   DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common))
     return train_loader, val_loader
@@ -223,7 +223,7 @@ def evaluate(model, loader, args, device) -> dict:
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a stream's by more):
     # while any rank has a batch, one whose share has ended joins with a spare batch that counts for nothing
     spare, shard = (0, loader.collate_fn(utils.first_samples(loader, 1))[1]), iter(loader)
-    while utils.any_rank((item := next(shard, None)) is not None, device):
+    while utils.all_reduce(torch.tensor(int((item := next(shard, None)) is not None), device=device)):  # ranks with one
         samples, batch = item or spare
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = utils.forward(model, inputs)

@@ -110,8 +110,8 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
                   persistent_workers=args.workers > 0)
     if isinstance(train_set, IterableDataset):  # a stream: each rank its part of every global batch
-        train_loader = utils.stream_loader(train_set, batch_per_rank, rank, world_size, True,
-                                           generator=torch.Generator(), **common)
+        train_loader = DataLoader(utils.GlobalBatches(train_set, batch_per_rank, rank, world_size), None,
+                                  generator=torch.Generator(), **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -122,7 +122,7 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
                                   generator=torch.Generator(), **common)
     # validation: rank r takes images r, r+W, r+2W, ... (a stream's: its part of each global batch):
     # every image exactly once (DistributedSampler would pad the last shard with repeated images)
-    val_loader = (utils.stream_loader(val_set, batch_per_rank, rank, world_size, False, **common)
+    val_loader = (DataLoader(utils.GlobalBatches(val_set, batch_per_rank, rank, world_size, False), None, **common)
                   if isinstance(val_set, IterableDataset) else
                   DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common))
     return train_loader, val_loader

@@ -102,8 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
         args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
 
 
-def first_line(error: BaseException) -> str:
-    """PyTorch's distributed errors append a C++ stack trace: keep line one."""
+def first_line(error: BaseException) -> str:  # PyTorch's distributed errors append a C++ stack trace: keep line one.
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
@@ -151,8 +150,7 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
 
 # --------------------------------------------------------------- logging ----
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 prints progress; other ranks print warnings and errors only."""
+def setup_logging(rank: int) -> None:  # Rank 0 prints progress; other ranks print warnings and errors only.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
 
@@ -220,8 +218,7 @@ def describe_init_error(error: Exception, init_method: str) -> str:
     return f"rendezvous at {init_method} failed: {text}"
 
 
-def set_cpu_threads(local_world_size: int) -> None:
-    """Processes that share a machine's cores must not each use all of them."""
+def set_cpu_threads(local_world_size: int) -> None:  # processes that share a machine's cores must not each use all
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
@@ -250,8 +247,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     return tensor
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP / DataParallel / torch.compile wrappers."""
+def unwrap(model: nn.Module) -> nn.Module:  # The plain module inside DDP / DataParallel / torch.compile wrappers.
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
     return model if inner is None else unwrap(inner)
 
@@ -294,8 +290,7 @@ def loss_for_backward(loss) -> torch.Tensor:
     return total * (world_size / count.clamp(min=1)).to(total.dtype)
 
 
-def logits(outputs):
-    """The scores in a model's outputs: the outputs, or the logits of a dict or a Hugging Face ModelOutput."""
+def logits(outputs):  # the scores in outputs: themselves, or the logits of a dict or a Hugging Face ModelOutput
     return outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
 
 
@@ -361,8 +356,7 @@ class Meter:
         return dict(train_loss=loss, train_acc=acc, epoch_time_s=seconds,
                     images_per_s=(samples - self.before[4].item()) / seconds, data_wait_s=self.data_wait)
 
-    def timed(self, iterable):
-        """Yield from iterable, adding the time each item took to arrive to data_wait."""
+    def timed(self, iterable):  # Yield from iterable, adding the time each item took to arrive to data_wait.
         t = time.perf_counter()
         for item in iterable:
             self.data_wait += time.perf_counter() - t
@@ -371,8 +365,7 @@ class Meter:
 
 
 class StepRecords:
-    """steps.jsonl (and --tensorboard's scalars) by rank 0: all ranks' numbers every few steps, keyed by global step;
-    a continued run first drops what followed its checkpoint, so both equal an uninterrupted run's."""
+    """steps.jsonl (and TensorBoard) by rank 0: all ranks' numbers every few steps; continued, as if never stopped."""
 
     def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int):
         self.path, self.args, self.rank, self.steps_per_epoch = output_dir / "steps.jsonl", args, rank, steps_per_epoch
@@ -383,8 +376,7 @@ class StepRecords:
         self.meter = Meter(device, self.saved if first_step else None, self.rank)
         return self.meter
 
-    def state_dict(self) -> dict:
-        """The epoch's sums for a checkpoint, over all ranks: a collective."""
+    def state_dict(self) -> dict:  # The epoch's sums for a checkpoint, over all ranks: a collective.
         return {"sums": self.meter.reduced(), "recorded": self.meter.recorded} if self.meter else self.saved
 
     def load_state_dict(self, state: dict) -> None:
@@ -443,8 +435,7 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
 
 def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callable, args, device: torch.device,
                      unused_ok: bool) -> float:
-    """Before training, a step of two samples, collated as in training, undone: what would fail or learn nothing ends
-    every rank here with one line, and the first batch's labels are checked. Returns FLOPs per sample."""
+    """A step of two samples, undone: what would fail or learn nothing ends every rank with one line; FLOPs/sample."""
     # float32 whatever the training's precision: two samples are small
     buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics, put back afterwards
     # FLOPs counted around the model and loss only: FlopCounterMode would see our own collectives too
@@ -454,8 +445,7 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
             try:
                 samples, batch = loader.collate_fn(first_samples(loader, 2))
             except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
-                raise UsageError(f"collate cannot batch the first samples ({first_line(e)}): make them one size, "
-                                 f"or pad them in your collate") from None
+                raise UsageError(f"collate cannot batch the first samples ({first_line(e)}): pad them") from None
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
             try:
                 with FlopCounterMode(display=False) as forward_flops:
@@ -481,8 +471,7 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
     return (forward_flops.get_total_flops() + backward_flops.get_total_flops()) / samples
 
 
-def check_loss(loss) -> None:
-    """compute_loss gives a scalar tensor (the batch's mean) or a pair (a scalar sum, its count)."""
+def check_loss(loss) -> None:  # compute_loss gives a scalar (the batch's mean) or a pair (a scalar sum, its count)
     pair = isinstance(loss, (tuple, list)) and len(loss) == 2
     total, count = loss if pair else (loss, 1)
     if not (isinstance(total, torch.Tensor) and total.dim() == 0 and (isinstance(count, int) or (
@@ -542,51 +531,35 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float) -
 
 
 class StopSignal:
-    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once, and makes every rank take
-    the same steps: each step starts an all-reduce of the signal and of whether a rank lacks the next batch."""
+    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks agree on steps."""
 
     def __init__(self):
-        self.signal, self.work, self.flags = 0, None, torch.zeros(2, dtype=torch.long)
+        self.signal, self.work = 0, None
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, lambda received, frame: setattr(self, "signal", received))
         # with GPUs the flags go over the CPU: no GPU synchronisation every step
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_backend() != "gloo" else None
 
-    def start(self, last: bool) -> None:  # the flags of all ranks, summed while the step computes
-        self.flags = torch.tensor([self.signal, int(last)])
-        self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, async_op=True) if (
-            dist.is_initialized()) else None
-
     def agreed(self) -> tuple[int, bool]:
-        """(the signal any rank got or 0, is this step the epoch's last on some rank), as the step began: every rank
-        stops after the same step. Waits for the all-reduce; called once a step, after the step's work."""
-        if self.work:
-            self.work.wait()
-            self.work = None
+        """(the signal of any rank or 0, does some rank lack the next batch), as they were when this step began."""
+        if self.work:  # once a step, after its backward: the all-reduce is done by then
+            self.work = self.work.wait() and None
         return int(self.flags[0]), bool(self.flags[1])
 
     def steps(self, batches, first_step: int, steps: int):
-        """(step, batch) from first_step + 1 to steps while every rank has a batch: a stream that ends early, or
-        for one rank sooner, ends the epoch after the same step on all. Reads one batch ahead to know."""
-        batches = iter(batches)
-        ahead = next(batches, None) if first_step < steps else None
-        self.start(ahead is None)
-        if self.agreed()[1]:  # no batch, on some rank, for the epoch's first step
-            if first_step == 0:
-                raise UsageError("the training data gave no full batch this epoch: lower --batch-size, or give a "
-                                 "stream that starts again at each iter()")
-            return
-        for step in range(first_step + 1, steps + 1):
-            batch, ahead = ahead, next(batches, None) if step < steps else None
-            self.start(ahead is None)  # waited for by agreed(), after this step's forward and backward
-            yield step, batch
-            if self.agreed()[1]:
-                return
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Is flag true on any rank? A collective."""
-    return bool(all_reduce(torch.tensor(int(flag), device=device), dist.ReduceOp.MAX))
+        """(step, batch) up to steps while every rank has a batch, read one ahead: the same steps on every rank."""
+        batches, step, batch = iter(batches), first_step, None
+        ahead = next(batches, None) if step < steps else None
+        while True:  # each step starts the all-reduce that agreed() waits for
+            self.flags = torch.tensor([self.signal, int(ahead is None)])
+            self.work = dist.is_initialized() and dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
+            if step > first_step:
+                yield step, batch
+            if self.agreed()[1]:  # a stream that ended early, or on one rank sooner: all end the epoch here
+                break
+            step, batch, ahead = step + 1, ahead, next(batches, None) if step + 1 < steps else None
+        if step == 0:
+            raise UsageError("the training data gave no full batch this epoch: lower --batch-size or use more data")
 
 
 @contextlib.contextmanager
@@ -630,9 +603,7 @@ def save_checkpoint(state: dict, path: Path) -> None:
 
 
 class GlobalBatches(IterableDataset):
-    """A stream read as global batches of part x world_size samples: this rank's part of each, a list for collate,
-    each DataLoader worker its own global batches, so that world size and workers change nothing. Training drops an
-    incomplete last batch; validation shares it out, each sample once. Every rank and worker reads the whole stream."""
+    """A stream as global batches of part x world_size samples: this rank's part of each, each worker its own ones."""
 
     def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, drop_last: bool = True):
         self.stream, self.part, self.rank, self.size, self.drop_last = stream, part, rank, part * world_size, drop_last
@@ -642,67 +613,51 @@ class GlobalBatches(IterableDataset):
     def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
         return (len(self.stream) + (0 if self.drop_last else self.size - 1)) // self.size
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.position.copy_(torch.tensor([epoch, skip]))
-
     def __iter__(self):
         epoch, skip = self.position.tolist()
         if hasattr(self.stream, "set_epoch"):  # a new shuffle each epoch, in this worker's copy of the stream too
             self.stream.set_epoch(epoch)
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        worker = torch.utils.data.get_worker_info() or argparse.Namespace(id=0, num_workers=1)  # none: this process
         samples = iter(self.stream)
         for index in itertools.count():
-            batch = list(itertools.islice(samples, self.size))
-            if not batch or (self.drop_last and len(batch) < self.size):
+            batch = list(itertools.islice(samples, self.size))  # a list, as collate takes it
+            if not batch or (self.drop_last and len(batch) < self.size):  # training drops an incomplete last one
                 return
             part = batch[self.rank * self.part:(self.rank + 1) * self.part]
-            if part and index >= skip and (index - skip) % workers == worker:  # in order: DataLoader's round robin
+            # each worker every num_workers-th batch: DataLoader's round robin over workers keeps them in order
+            if part and index >= skip and (index - skip) % worker.num_workers == worker.id:
                 yield part
 
 
-def stream_loader(stream: IterableDataset, part: int, rank: int, world_size: int, drop_last: bool,
-                  **loader_args) -> DataLoader:
-    """A DataLoader of this rank's part of each of a stream's global batches (GlobalBatches)."""
-    return DataLoader(GlobalBatches(stream, part, rank, world_size, drop_last), batch_size=None, **loader_args)
-
-
 def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
-    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch; one line if none."""
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (a stream without len's)."""
     try:
         batches = len(loader) // micro_batches
     except TypeError:  # a stream without __len__: an epoch is one pass, cut at N steps if it lasts that long
         if not args.steps_per_epoch:
             raise UsageError("the training set is a stream without __len__: give --steps-per-epoch N, the "
                              "optimizer steps of an epoch") from None
-        return args.steps_per_epoch
-    if batches == 0:
-        data = loader.dataset.stream if isinstance(loader.dataset, GlobalBatches) else loader.dataset
-        raise UsageError(f"{len(data)} training samples make no full batch of {args.batch_size}: lower "
-                         f"--batch-size or use more data")
+        batches = args.steps_per_epoch
     return min(batches, args.steps_per_epoch or batches)
 
 
 def epoch_loader(loader: DataLoader, epoch: int, skip: int = 0) -> DataLoader:
-    """The loader for this epoch, shuffled anew (the sampler's or the stream's set_epoch); without its first skip
-    batches, in the same order, for a run continued mid-epoch."""
-    stream = isinstance(loader.dataset, GlobalBatches)
-    if stream or hasattr(loader.sampler, "set_epoch"):
-        (loader.dataset if stream else loader.sampler).set_epoch(epoch, *([skip] if stream else []))
-    if not skip:
+    """The loader of this epoch, shuffled anew, without its first skip batches (a run continued mid-epoch)."""
+    if isinstance(loader.dataset, GlobalBatches):  # read by the stream's workers, persistent ones too, at iter()
+        loader.dataset.position.copy_(torch.tensor([epoch, skip]))
         return loader
-    rest = dict(batch_size=None) if stream else dict(batch_size=loader.batch_size, drop_last=loader.drop_last,
-                                                       sampler=list(loader.sampler)[skip * loader.batch_size:])
-    return DataLoader(loader.dataset, **rest, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-                      pin_memory=loader.pin_memory, generator=loader.generator)
+    if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler: a new shuffle, the same on every rank
+        loader.sampler.set_epoch(epoch)
+    return DataLoader(loader.dataset, loader.batch_size, sampler=list(loader.sampler)[skip * loader.batch_size:],
+                      drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory, generator=loader.generator) if skip else loader
 
 
 def first_samples(loader: DataLoader, n: int) -> list:
-    """The first n samples this rank's loader reads, a stream's from its start: for a step at start-up, a spare."""
-    if isinstance(loader.dataset, GlobalBatches):
-        return list(itertools.islice(loader.dataset.stream, n))
-    # an empty sampler (a validation share of nothing): the dataset's first
-    return [loader.dataset[i] for i in itertools.islice(loader.sampler or range(len(loader.dataset)), n)]
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a spare batch."""
+    dataset, order = loader.dataset, loader.sampler or range(len(loader.dataset))  # a share of nothing: the first
+    return list(itertools.islice(dataset.stream, n)) if isinstance(dataset, GlobalBatches) else [
+        dataset[i] for i in itertools.islice(order, n)]
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
@@ -742,8 +697,8 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
     except (RuntimeError, KeyError, ValueError) as e:
-        raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): "
-                         f"use another --output-dir") from None
+        raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): use another "
+                         f"--output-dir") from None
     epoch, step = state["epoch"], state.get("step", 0)
     log.info(f"continuing from {path}: {epoch} of {args.epochs} epochs done"
              + (f" and {step} steps of the next" if step else ""))

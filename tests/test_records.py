@@ -85,7 +85,9 @@ def test_tensorboard_without_its_package_ends_every_rank_with_one_line(tmp_path)
     result = run(torchrun(2, "distributed.py", *TINY, "--tensorboard", "--output-dir", tmp_path / "out"),
                  env={"PYTHONPATH": str(missing.parent)}, timeout=60, check=False)
     line = "error: --tensorboard needs the tensorboard package: pip install tensorboard"
-    assert result.returncode != 0 and result.stderr.count(line) == 2, result.stderr
+    # before the rendezvous no rank can wait for another: torchrun stops the other worker once one has failed,
+    # which may be before that one's own check (seen in about half the runs)
+    assert result.returncode != 0 and result.stderr.count(line) >= 1, result.stderr
     assert "world size" not in result.stdout and not (tmp_path / "out" / "tensorboard").exists()
 
 

@@ -5,6 +5,8 @@ mid-epoch continues exactly, on 2 processes or on 1; what cannot work ends in on
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import utils
-from processes import assert_same_records, finish, max_weight_difference, metrics, start, steps, weights
+from processes import ROOT, assert_same_records, finish, max_weight_difference, metrics, start, steps, weights
 from test_your_own_data import COMMON, copy_with_your_functions, ends_every_rank_with, launch, users_code
 
 YOUR_STREAM = '''
@@ -164,7 +166,7 @@ def test_what_a_stream_cannot_do_ends_every_rank_with_one_line(tmp_path):
         "no cut": ("yours", 2, no_cut, {}, "error: the training set is a stream without __len__: give "
                                            "--steps-per-epoch N, the optimizer steps of an epoch"),
         "short, sized": ("yours", 1, STREAM, {"TRAIN_SIZE": "20", "LENGTH": "1"},
-                         "error: 20 training samples make no full batch of 32: lower --batch-size or use more data"),
+                         "error: the training data gave no full batch this epoch: lower --batch-size or use more data"),
         "short": ("yours", 1, STREAM, {"TRAIN_SIZE": "20"}, "error: the training data gave no full batch this epoch"),
         "ragged": ("ragged", 1, STREAM, {}, "error: collate cannot batch the first samples (stack expects each "
                                             "tensor to be equal size"),
@@ -179,8 +181,8 @@ def split(stream, batch_per_rank: int, world_size: int, workers: int, skip: int 
     """What each rank's loader gives, in order: the samples of each of its batches."""
     given = []
     for rank in range(world_size):
-        loader = utils.stream_loader(stream, batch_per_rank, rank, world_size, True, num_workers=workers,
-                                     collate_fn=list)
+        loader = DataLoader(utils.GlobalBatches(stream, batch_per_rank, rank, world_size), None, num_workers=workers,
+                            collate_fn=list)
         given.append([batch for batch in utils.epoch_loader(loader, 0, skip)])
     return given
 
@@ -206,3 +208,39 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     assert utils.steps_per_epoch(sized, args) == 15  # cut
     unsized = DataLoader(utils.GlobalBatches(yours["BlobStream"](640, 1), 16, 0, 2), batch_size=None)
     assert utils.steps_per_epoch(unsized, args) == 15
+
+
+def write_json_lines(directory, files: int, lines: int, seed: int) -> None:
+    """{"text": token ids, "label": 0..3} records, half of whose tokens are 20 of the label's own, half any of 999."""
+    generator = torch.Generator().manual_seed(seed)
+    directory.mkdir(parents=True)
+    for f in range(files):
+        records = []
+        for _ in range(lines):
+            label = int(torch.randint(4, (), generator=generator))
+            length = int(torch.randint(5, 21, (), generator=generator))
+            own = 1 + 250 * label + torch.randint(0, 20, (length,), generator=generator)
+            other = torch.randint(1, 1000, (length,), generator=generator)
+            text = torch.where(torch.rand(length, generator=generator) < 0.5, own, other)
+            records.append(json.dumps({"text": text.tolist(), "label": label}) + "\n")
+        (directory / f"part-{f}.jsonl").write_text("".join(records))
+
+
+def test_the_json_lines_example_in_the_docs_trains_as_shown(tmp_path):
+    """docs/your-project.md's stream of JSON lines, pasted into distributed.py as a user would, run by the command
+    the page shows: it learns, every validation line is counted once, and epochs are cut at --steps-per-epoch."""
+    page = (ROOT / "docs" / "your-project.md").read_text()
+    part = page[page.index("## Data that streams"):]
+    code = re.search(r"```python\n(.*?)```", part[part.index("A complete example"):], re.S).group(1)
+    command = re.search(r"`(torchrun [^`]*distributed.py[^`]*)`", part).group(1).split()
+    write_json_lines(tmp_path / "data" / "train", files=3, lines=400, seed=1)  # 37 global batches of 32 a pass
+    write_json_lines(tmp_path / "data" / "val", files=2, lines=101, seed=2)
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", code)
+    nproc = int(command[2].split("=")[1])
+    result = finish(*start(launch(copy, nproc, *command[4:], "--timeout", "60", "--output-dir", tmp_path / "out"),
+                           cwd=tmp_path), timeout=150)
+    assert result.returncode == 0, result.stderr
+    records = steps(tmp_path / "out")
+    assert {r["step"] for r in records if "train_loss" in r} <= set(range(1, 31)) and records[-1]["step"] == 30
+    assert {r["val_images"] for r in records if "val_images" in r} == {202}
+    assert metrics(tmp_path / "out")[-1]["val_acc"] > 0.9
