@@ -98,12 +98,14 @@ def run(cmd: list, timeout: float = 180, env: dict | None = None, check: bool = 
     return result
 
 
-def run_parallel(cmds: list[tuple[list, dict]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Start several commands at once (the nodes of one job) and wait for all."""
-    started = [start(cmd, env) for cmd, env in cmds]
+def run_parallel(cmds: list[tuple[list, dict]], timeout: float = 180, cwd: Path = ROOT,
+                 check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Start several commands at once (the nodes of one job, or independent runs that share the cores better than
+    in turn) and wait for all."""
+    started = [start(cmd, env, cwd) for cmd, env in cmds]
     results = [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
-        if r.returncode != 0:
+        if check and r.returncode != 0:
             raise RunFailed(f"{' '.join(r.args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return results
 

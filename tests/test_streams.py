@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import utils
-from processes import ROOT, assert_same_records, finish, max_weight_difference, metrics, start, steps, weights
+from processes import (ROOT, assert_same_records, finish, max_weight_difference, metrics, run_parallel, start, steps,
+                       weights)
 from test_your_own_data import COMMON, copy_with_your_functions, ends_every_rank_with, launch, users_code
 
 YOUR_STREAM = '''
@@ -79,21 +80,35 @@ UNEVEN = {"EXTRA_ON_RANK_1": "48"}  # rank 1 could take a 21st step; rank 0 has 
 TERM_IN_EPOCH_2_STEP_7 = str(1 + 20 + 7)  # the start-up check's forward, epoch 1's 20, then epoch 2's
 
 
-def train(script: str, base, name: str, processes: int, *flags, env: dict | None = None, timeout: float = 120):
-    """The user's stream code in a copy of script, trained into base/name; the finished process."""
+def command(script: str, base, name: str, processes: int, *flags) -> list:
+    """The user's stream code in a copy of script, trained into base/name."""
     copy = copy_with_your_functions(script, base / f"copy-{script}", YOUR_STREAM)
-    return finish(*start(launch(copy, processes, *STREAM, *flags, "--output-dir", base / name),
-                         env=env, cwd=base), timeout)
+    return launch(copy, processes, *STREAM, *flags, "--output-dir", base / name)
+
+
+# (script, processes, flags, equal to the reference within), run against the stream of rank 1 being longer
+SCRIPTS = {
+    "dataparallel.py": ("dataparallel.py", 1, ["--workers", "2"], 1e-6),
+    "distributed_mp.py": ("distributed_mp.py", 2, [], 1e-5),
+    "distributed_grad_accum.py": ("distributed_grad_accum.py", 2, ["--accum-steps", "2", "--workers", "1"], 1e-5),
+    "distributed_fsdp.py": ("distributed_fsdp.py", 2, [], 1e-5),
+    "distributed_amp.py": ("distributed_amp.py", 2, ["--amp-dtype", "bfloat16"], None),  # other arithmetic: learns
+}
 
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-    """The reference: 1 process, no workers. And 2 processes with 2 DataLoader workers each, rank 1's stream longer."""
+    """Every stream run, all at once (independent runs share the 2 cores better than in turn): the reference, 1
+    process without workers; "two", 2 processes with 2 DataLoader workers each and rank 1's stream longer; "stopped",
+    the same stopped by SIGTERM on rank 0 in epoch 2's step 7; and each other script. Their finished processes."""
     base = tmp_path_factory.mktemp("streams")
-    one = train("distributed.py", base, "one", 1)
-    two = train("distributed.py", base, "two", 2, "--workers", "2", env=UNEVEN, timeout=90)  # no hang at the end
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    return base
+    runs = {"one": ("distributed.py", 1, [], {}), "two": ("distributed.py", 2, ["--workers", "2"], UNEVEN),
+            "stopped": ("distributed.py", 2, ["--workers", "2"], {**UNEVEN, "TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7}),
+            **{name: (script, processes, flags, UNEVEN) for name, (script, processes, flags, _) in SCRIPTS.items()}}
+    results = run_parallel([(command(script, base, name, processes, *flags), env)
+                            for name, (script, processes, flags, env) in runs.items()],
+                           timeout=400, cwd=base, check=False)  # no hang at an uneven end
+    return base, dict(zip(runs, results))
 
 
 def assert_trained_as_the_reference(out, reference, tolerance: float) -> None:
@@ -105,35 +120,29 @@ def assert_trained_as_the_reference(out, reference, tolerance: float) -> None:
         assert max_weight_difference(out, reference) <= tolerance
 
 
+def succeeded(streamed, name: str):
+    base, results = streamed
+    assert results[name].returncode == 0, results[name].stderr
+    return base / name
+
+
 def test_two_processes_with_workers_and_uneven_ends_train_what_one_process_does(streamed):
-    records = steps(streamed / "two")
+    two, one = succeeded(streamed, "two"), succeeded(streamed, "one")
+    records = steps(two)
     assert [r["step"] for r in records if r["epoch"] == 1] == [6, 8, 12, 16, 18, 20, 25]  # 20 steps of the 25 planned
-    assert_trained_as_the_reference(streamed / "two", streamed / "one", 1e-5)
+    assert_trained_as_the_reference(two, one, 1e-5)
     assert {r["val_images"] for r in records if "val_images" in r} == {203}  # each sample once, over both ranks
-    assert metrics(streamed / "two")[-1]["val_acc"] > 0.9
+    assert metrics(two)[-1]["val_acc"] > 0.9
     # set_epoch reached the persistent workers: the epochs' losses differ as the reference's do (a new order each)
-    assert len({round(m["train_loss"], 6) for m in metrics(streamed / "one")}) == 3
-
-
-# (script, processes, flags, equal to the reference within)
-SCRIPTS = {
-    "dataparallel.py": ("dataparallel.py", 1, ["--workers", "2"], 1e-6),
-    "distributed_mp.py": ("distributed_mp.py", 2, [], 1e-5),
-    "distributed_grad_accum.py": ("distributed_grad_accum.py", 2, ["--accum-steps", "2", "--workers", "1"], 1e-5),
-    "distributed_fsdp.py": ("distributed_fsdp.py", 2, [], 1e-5),
-    "distributed_amp.py": ("distributed_amp.py", 2, ["--amp-dtype", "bfloat16"], None),  # other arithmetic: learns
-}
+    assert len({round(m["train_loss"], 6) for m in metrics(one)}) == 3
 
 
 @pytest.mark.parametrize("case", SCRIPTS)
-def test_a_stream_trains_in_every_script(case, streamed, tmp_path):
-    script, processes, flags, tolerance = SCRIPTS[case]
-    result = train(script, tmp_path, "out", processes, *flags, env=UNEVEN, timeout=120)
-    assert result.returncode == 0, result.stderr
-    out = tmp_path / "out"
+def test_a_stream_trains_in_every_script(case, streamed):
+    out, tolerance = succeeded(streamed, case), SCRIPTS[case][3]
     assert {r["val_images"] for r in steps(out) if "val_images" in r} == {203}
     if tolerance:
-        assert_trained_as_the_reference(out, streamed / "one", tolerance)
+        assert_trained_as_the_reference(out, succeeded(streamed, "one"), tolerance)
     else:
         assert metrics(out)[-1]["val_acc"] > 0.9
 
@@ -142,16 +151,16 @@ def test_a_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_on
     """SIGTERM on rank 0 in epoch 2's step 7: every rank stops after step 8 (the agreement runs a step behind) and
     saves; the same command continues on 2 processes, and a copy of the checkpoint on 1, each reading the stream
     from the global batch where it stopped."""
-    stopped = train("distributed.py", tmp_path, "stopped", 2, "--workers", "2",
-                    env={**UNEVEN, "TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7})
+    base, results = streamed
+    stopped = results["stopped"]
     assert stopped.returncode != 0 and "stopped by SIGTERM after step 8/25 of epoch 2" in stopped.stderr, stopped.stderr
-    shutil.copytree(tmp_path / "stopped", tmp_path / "on-one")
-    again = train("distributed.py", tmp_path, "stopped", 2, "--workers", "2", env=UNEVEN)
-    assert again.returncode == 0 and "1 of 3 epochs done and 8 steps of the next" in again.stdout, again.stderr
-    assert_trained_as_the_reference(tmp_path / "stopped", streamed / "two", 1e-6)
-    on_one = train("distributed.py", tmp_path, "on-one", 1)
-    assert on_one.returncode == 0, on_one.stderr
-    assert_trained_as_the_reference(tmp_path / "on-one", streamed / "two", 1e-5)
+    for name in ("on-two", "on-one"):
+        shutil.copytree(base / "stopped", tmp_path / name)
+    again, on_one = run_parallel([(command("distributed.py", tmp_path, "on-two", 2, "--workers", "2"), UNEVEN),
+                                  (command("distributed.py", tmp_path, "on-one", 1), {})], timeout=300, cwd=tmp_path)
+    assert "1 of 3 epochs done and 8 steps of the next" in again.stdout
+    assert_trained_as_the_reference(tmp_path / "on-two", succeeded(streamed, "two"), 1e-6)
+    assert_trained_as_the_reference(tmp_path / "on-one", succeeded(streamed, "two"), 1e-5)
 
 
 def test_what_a_stream_cannot_do_ends_every_rank_with_one_line(tmp_path):

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from processes import (PYTHON, assert_same_records, finish, max_weight_difference, metrics, run, start, steps,
-                       wait_for, weights)
+from processes import (PYTHON, assert_same_records, finish, max_weight_difference, metrics, run, run_parallel, start,
+                       steps, wait_for, weights)
 from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_TAGGER = '''
@@ -88,11 +88,12 @@ TAGGER_RUNS = {
 @pytest.fixture(scope="module")
 def tagger_runs(tmp_path_factory) -> dict:
     """The user's tagger trained by each run of TAGGER_RUNS: its output directory by name."""
-    base, outputs = tmp_path_factory.mktemp("tagger"), {}
+    base, outputs, commands = tmp_path_factory.mktemp("tagger"), {}, []
     for i, (name, (script, processes, flags, yours)) in enumerate(TAGGER_RUNS.items()):
         copy = copy_with_your_functions(script, base / f"copy{i}", yours)
         outputs[name] = base / f"out{i}"
-        run(launch(copy, processes, *TEXT, *flags, *RECORDS, "--output-dir", outputs[name]), cwd=base)
+        commands.append((launch(copy, processes, *TEXT, *flags, *RECORDS, "--output-dir", outputs[name]), {}))
+    run_parallel(commands, timeout=400, cwd=base)  # all at once: independent, and sharing the cores better
     return outputs
 
 
