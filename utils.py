@@ -534,7 +534,7 @@ class StopSignal:
     """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks agree on steps."""
 
     def __init__(self):
-        self.signal, self.work = 0, None
+        self.signal, self.work, self.flags = 0, None, torch.zeros(2, dtype=torch.long)
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, lambda received, frame: setattr(self, "signal", received))
         # with GPUs the flags go over the CPU: no GPU synchronisation every step
@@ -543,7 +543,7 @@ class StopSignal:
     def agreed(self) -> tuple[int, bool]:
         """(the signal of any rank or 0, does some rank lack the next batch), as they were when this step began."""
         if self.work:  # once a step, after its backward: the all-reduce is done by then
-            self.work = self.work.wait() and None
+            self.work = self.work.wait() and None  # waited for: nothing left to wait for
         return int(self.flags[0]), bool(self.flags[1])
 
     def steps(self, batches, first_step: int, steps: int):
