@@ -6,7 +6,6 @@ import signal
 import subprocess
 import time
 
-import pytest
 
 from processes import (LONG, PYTHON, ROOT, TINY, assert_same_records, finish, free_port, max_weight_difference,
                        metrics, python, run, start, steps, torchrun, training_processes, wait_for)

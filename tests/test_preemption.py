@@ -126,7 +126,8 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
             f"another --output-dir")
     assert full.returncode != 0 and full.stderr.count(line) == 2, full.stderr  # one line from each rank
     assert "distributed.py\", line" not in full.stderr and "enforce fail" not in full.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]  # no temporary file
+    # no temporary file
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]
     assert saved_position(out) == (1, 0)  # the previous checkpoint, whole
 
     filler.unlink()
