@@ -83,7 +83,8 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     else:  # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
                                   drop_last=True, generator=torch.Generator(), **common)
-    val_loader = (DataLoader(utils.GlobalBatches(val_set, args.batch_size, 0, 1, False), None, **common)  # in order
+    # every sample once, in order (a stream's last global batch too, incomplete as it is)
+    val_loader = (DataLoader(utils.GlobalBatches(val_set, args.batch_size, 0, 1, False), None, **common)
                   if isinstance(val_set, IterableDataset) else DataLoader(val_set, args.batch_size, **common))
     return train_loader, val_loader, shuffle
 

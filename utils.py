@@ -102,7 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
         args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
 
 
-def first_line(error: BaseException) -> str:  # PyTorch's distributed errors append a C++ stack trace: keep line one.
+def first_line(error: BaseException) -> str:  # PyTorch's distributed errors append a C++ stack trace: keep line one
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
@@ -150,7 +150,7 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
 
 # --------------------------------------------------------------- logging ----
 
-def setup_logging(rank: int) -> None:  # Rank 0 prints progress; other ranks print warnings and errors only.
+def setup_logging(rank: int) -> None:  # rank 0 prints progress; other ranks print warnings and errors only
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True,
                         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
 
@@ -247,7 +247,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     return tensor
 
 
-def unwrap(model: nn.Module) -> nn.Module:  # The plain module inside DDP / DataParallel / torch.compile wrappers.
+def unwrap(model: nn.Module) -> nn.Module:  # the plain module inside DDP / DataParallel / torch.compile wrappers
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
     return model if inner is None else unwrap(inner)
 
@@ -356,7 +356,7 @@ class Meter:
         return dict(train_loss=loss, train_acc=acc, epoch_time_s=seconds,
                     images_per_s=(samples - self.before[4].item()) / seconds, data_wait_s=self.data_wait)
 
-    def timed(self, iterable):  # Yield from iterable, adding the time each item took to arrive to data_wait.
+    def timed(self, iterable):  # yield from iterable, adding the time each item took to arrive to data_wait
         t = time.perf_counter()
         for item in iterable:
             self.data_wait += time.perf_counter() - t
@@ -376,7 +376,7 @@ class StepRecords:
         self.meter = Meter(device, self.saved if first_step else None, self.rank)
         return self.meter
 
-    def state_dict(self) -> dict:  # The epoch's sums for a checkpoint, over all ranks: a collective.
+    def state_dict(self) -> dict:  # the epoch's sums for a checkpoint, over all ranks: a collective
         return {"sums": self.meter.reduced(), "recorded": self.meter.recorded} if self.meter else self.saved
 
     def load_state_dict(self, state: dict) -> None:
@@ -697,8 +697,8 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
     except (RuntimeError, KeyError, ValueError) as e:
-        raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): use another "
-                         f"--output-dir") from None
+        raise UsageError(f"{path} does not fit this model or these flags ({first_line(e)}): "
+                         f"use another --output-dir") from None
     epoch, step = state["epoch"], state.get("step", 0)
     log.info(f"continuing from {path}: {epoch} of {args.epochs} epochs done"
              + (f" and {step} steps of the next" if step else ""))

@@ -126,7 +126,11 @@ def free_port() -> int:
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(Path(output_dir) / "checkpoint.pt", weights_only=True)["model"]
+    """The trained weights: checkpoint.pt's, or distributed_fsdp.py's model.pt beside its sharded checkpoint."""
+    checkpoint = Path(output_dir) / "checkpoint.pt"
+    if checkpoint.exists():
+        return torch.load(checkpoint, weights_only=True)["model"]
+    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
 
 
 def max_weight_difference(dir_a: Path, dir_b: Path) -> float:

@@ -19,10 +19,6 @@ from test_your_own_data import copy_with_your_functions, launch, users_code
 EXACT = [*TINY, "--no-augment"]  # the reference job of conftest.py
 
 
-def full_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
-
-
 def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
@@ -40,7 +36,7 @@ def fsdp(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
-    d = difference(full_weights(fsdp["two"]), weights(reference["one"]))
+    d = difference(weights(fsdp["two"]), weights(reference["one"]))
     print(f"FSDP, 2 processes vs distributed.py, 1 process: max weight difference {d:.1e}")
     assert d <= 1e-5
     for a, b in zip(metrics(fsdp["two"]), metrics(reference["one"])):
@@ -51,7 +47,7 @@ def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
     assert sorted(p.name for p in (fsdp["two"] / "checkpoint").iterdir()) == [".metadata", "__0_0.distcp",
                                                                               "__1_0.distcp"]
     model = builtin.model("tiny", 10, 16)
-    model.load_state_dict(full_weights(fsdp["two"]))
+    model.load_state_dict(weights(fsdp["two"]))
 
 
 def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
@@ -65,7 +61,7 @@ def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
 def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     out = fsdp["two then one"]
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 1]
-    d = difference(full_weights(out), full_weights(fsdp["two"]))
+    d = difference(weights(out), weights(fsdp["two"]))
     print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
     assert d <= 1e-5
     assert_same_records(steps(out), steps(fsdp["two"]), tolerance=1e-5)
@@ -100,7 +96,7 @@ def test_sigterm_mid_epoch_continues_exactly(tmp_path):
     assert (out / "model.pt").exists()  # the whole weights, also when stopped
     second = run_parallel(by_hand(out, free_port()))
     assert "0 of 1 epochs done and" in second[0].stdout
-    d = difference(full_weights(out), full_weights(tmp_path / "straight"))
+    d = difference(weights(out), weights(tmp_path / "straight"))
     print(f"continued after SIGTERM vs straight: max weight difference {d:.1e}")
     assert d <= 1e-6
     # records every 10 steps, checkpoints every 5: the sharded checkpoint keeps the sums the next record needs
@@ -164,7 +160,7 @@ def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     assert losses == sorted(losses, reverse=True) and losses[-1] < math.log(64) / 2, losses
     yours = users_code(YOUR_LANGUAGE_MODEL)
     model = yours["GPT2LMHeadModel"](yours["CONFIG"])
-    state = full_weights(out)
+    state = weights(out)
     model.load_state_dict(state)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # trained tied
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -186,7 +182,7 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint
     second = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out))
     assert "continuing from" in second.stdout and "1 of 3 epochs done" in second.stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-    assert difference(full_weights(out), full_weights(fsdp["two"])) <= 1e-6
+    assert difference(weights(out), weights(fsdp["two"])) <= 1e-6
 
 
 def test_flags_of_ddp_end_in_one_line(tmp_path):
