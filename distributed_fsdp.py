@@ -31,8 +31,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 try:  # FSDP2's fully_shard is public from PyTorch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:
-    sys.exit(f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not {torch.__version__}")
+except ImportError:  # one write a line: every rank says it at once
+    sys.stderr.write(f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not "
+                     f"{torch.__version__}\n")
+    sys.exit(1)
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log

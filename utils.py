@@ -30,8 +30,8 @@ class UsageError(Exception):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag ends in one line, and --flag_name is accepted for --flag-name."""
 
-    def error(self, message: str) -> None:
-        sys.exit(f"{self.prog}: error: {message} (see --help)")
+    def error(self, message: str) -> None:  # run_main prints it as every other error
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_known_args(self, args=None, namespace=None):
         # the name only, up to an "=": values keep their underscores
@@ -115,13 +115,14 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda line: print(line, file=sys.stderr)):
+def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda line: sys.stderr.write(f"{line}\n")):
     """Run main(); a user's error ends in one line, said (printed, or to distributed_mp.py's parent), exit 1."""
+    # a line in one write(): print() writes the newline apart, so lines of ranks failing at once could run together
     status: int | str = 0
     try:
         main()
     except Stopped as e:
-        print(e, file=sys.stderr, flush=True)
+        sys.stderr.write(f"{e}\n")
         status = 128 + e.signum  # as a shell reports a process ended by that signal
     except UsageError as e:
         status = f"error: {e}"
@@ -144,7 +145,7 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
         status = 1
     # all written or said: end without the interpreter's shutdown, where gloo's threads still abort about one
     # 2-process run in 50 on PyTorch 2.14 ("terminate called without an active exception"), after an error too
-    sys.stdout.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(status)
 
 

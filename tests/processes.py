@@ -160,6 +160,13 @@ def assert_same_records(records: list[dict], expected: list[dict], tolerance: fl
             assert record[key] == pytest.approx(other[key], abs=tolerance), (key, record, other)
 
 
+def ends_every_rank_with(result: subprocess.CompletedProcess, line: str, ranks: int = 2) -> None:
+    """A non-zero exit and line, whole, once from each rank; no Python traceback from the script (torchrun then
+    prints its own about a failed worker)."""
+    assert result.returncode != 0 and result.stderr.splitlines().count(line) == ranks, result.stderr
+    assert 'distributed.py", line' not in result.stderr and 'distributed_fsdp.py", line' not in result.stderr
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -14,8 +14,8 @@ import distributed
 import builtin
 import utils
 
-from processes import (PYTHON, ROOT, TINY, assert_same_records, free_port, max_weight_difference, metrics, python,
-                       run, run_parallel, steps, torchrun, weights)
+from processes import (PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, free_port, max_weight_difference,
+                       metrics, python, run, run_parallel, steps, torchrun, weights)
 
 
 def test_two_processes_equal_one_with_twice_the_batch(reference):
@@ -235,10 +235,21 @@ def test_port_in_use_names_the_port(tmp_path):
 def test_indivisible_batch_fails_on_every_rank(tmp_path):
     result = run(torchrun(2, "distributed.py", *TINY, "--batch-size", "33",
                           "--output-dir", tmp_path), timeout=60, check=False)
-    assert result.returncode != 0
-    line = "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
-    assert result.stderr.count(line) == 2  # one line from each rank, no hang
-    assert "distributed.py\", line" not in result.stderr  # no Python traceback from the script
+    ends_every_rank_with(result, "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2")
+
+
+def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
+    """Ranks failing at once write into one stderr (torchrun's): a line in two writes (print() writes its newline
+    apart, at once with PYTHONUNBUFFERED) ran into the other rank's line. Each write shows here as <...>."""
+    code = ("import io, os, sys, utils\n"
+            "class Writes(io.RawIOBase):\n"
+            "    def writable(self): return True\n"
+            "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
+            "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
+            "utils.run_main(lambda: utils.build_parser('').parse_args(['--no-such-flag']))\n")
+    result = run([PYTHON, "-c", code], timeout=60, check=False)
+    assert result.returncode == 1 and result.stderr == (
+        "<error: unrecognized arguments: --no-such-flag (see -c --help)\n>"), result.stderr
 
 
 @pytest.mark.parametrize("nodelist, first", [

@@ -14,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import utils
-from processes import ROOT, assert_same_records, finish, max_weight_difference, metrics, run_parallel, start, steps
-from test_your_own_data import COMMON, copy_with_your_functions, ends_every_rank_with, launch, users_code
+from processes import (ROOT, assert_same_records, ends_every_rank_with, finish, max_weight_difference, metrics,
+                       run_parallel, start, steps)
+from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_STREAM = '''
 import os

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import utils
-from processes import PYTHON, ROOT, max_weight_difference, metrics, run, weights
+from processes import PYTHON, ROOT, ends_every_rank_with, max_weight_difference, metrics, run, weights
 
 YOUR_CLASSIFICATION = '''
 class Blobs(torch.utils.data.Dataset):
@@ -143,13 +143,6 @@ def copy_with_your_functions(script: str, directory: Path, yours: str) -> Path:
     new = lines[:spans[0][0] - 1] + [yours.lstrip("\n")] + lines[spans[-1][1]:]
     (directory / script).write_text("".join(new))
     return directory / script
-
-
-def ends_every_rank_with(result, line: str, ranks: int) -> None:
-    """A non-zero exit and line once from each rank; no Python traceback from the script (torchrun then
-    prints its own about a failed worker)."""
-    assert result.returncode != 0 and result.stderr.count(line) == ranks, result.stderr
-    assert 'distributed.py", line' not in result.stderr
 
 
 def launch(script_path: Path, processes: int, *args) -> list:
