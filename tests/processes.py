@@ -161,9 +161,11 @@ def assert_same_records(records: list[dict], expected: list[dict], tolerance: fl
 
 
 def ends_every_rank_with(result: subprocess.CompletedProcess, line: str, ranks: int = 2) -> None:
-    """A non-zero exit and line, whole, once from each rank; no Python traceback from the script (torchrun then
-    prints its own about a failed worker)."""
-    assert result.returncode != 0 and result.stderr.splitlines().count(line) == ranks, result.stderr
+    """A non-zero exit and a line starting with line once from each rank, none run into another; no Python
+    traceback from the script (torchrun then prints its own about a failed worker)."""
+    starts = [text for text in result.stderr.splitlines() if text.startswith(line)]
+    # as often as line occurs at all: none ran into the end of another line
+    assert result.returncode != 0 and len(starts) == result.stderr.count(line) == ranks, result.stderr
     assert 'distributed.py", line' not in result.stderr and 'distributed_fsdp.py", line' not in result.stderr
 
 
