@@ -1,5 +1,5 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler,
-FSDP, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a clean end), for a machine with a GPU. CI has
+FSDP, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a clean end), for a machine with a GPU. CI has
 none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails."""
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     warned = "barrier(): using the device" in result.stderr  # device_id given to init_process_group: no guess
     check("no barrier() device warning", not warned, "warned" if warned else "none printed")
     your_task_on_the_gpu(tmp)
+    a_stream_on_the_gpu(tmp)
     run(python("dataparallel.py", *exact, "--output-dir", tmp / "dp"))
     d = max_weight_difference(tmp / "dp", tmp / "ddp")
     check("dataparallel.py on 1 GPU == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
@@ -119,6 +120,23 @@ def your_task_on_the_gpu(tmp: Path) -> None:
     last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
     check("a diverging float16 run stops with one line", result.returncode != 0
           and last.startswith("error: training diverged"), last)
+
+
+def a_stream_on_the_gpu(tmp: Path) -> None:
+    """A user's stream (no __len__, 20 of the 25 planned steps) with 2 DataLoader workers: DDP, whose per-step flags
+    go over a gloo group beside nccl, and FSDP, whose validation agrees over nccl while any rank has a batch, train
+    alike, stop each epoch where the stream ends and count each validation sample once."""
+    from test_streams import command
+    outs = {script: tmp / f"stream-{script}" for script in ("distributed.py", "distributed_fsdp.py")}
+    for script, out in outs.items():
+        run(command(script, tmp, out.name, 1, "--workers", "2"), cwd=tmp)
+    ends = {r["step"] for r in steps(outs["distributed.py"]) if r["epoch"] == 1 and "train_loss" in r}
+    counted = {r["val_images"] for out in outs.values() for r in steps(out) if "val_images" in r}
+    acc = metrics(outs["distributed.py"])[-1]["val_acc"]
+    check("a stream trains on cuda, its epoch cut where it ends", max(ends) == 20 and counted == {203} and acc > 0.9,
+          f"last step of epoch 1: {max(ends)}, validation samples {counted}, val_acc {acc:.3f}")
+    d = max_weight_difference(*outs.values())
+    check("a stream: distributed_fsdp.py == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
 
 
 if __name__ == "__main__":
