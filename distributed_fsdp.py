@@ -243,8 +243,10 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
     try:
         dcp.save(state, checkpoint_id=new)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
-        error = next(error for error, _ in e.failures.values())
-        raise error if isinstance(error, OSError) else write_error(new) from None
+        error = next(error for error, _ in e.failures.values())  # a failed write() names no file: name the directory
+        if isinstance(error, OSError) and error.errno:
+            raise OSError(error.errno, error.strerror, str(new)) from None
+        raise write_error(new) from None
     if rank == 0:
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
@@ -346,11 +348,11 @@ def main():
 
     def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
         """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every rank."""
-        with utils.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():  # agreed before the sharded save, a collective, begins
             utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
-        with utils.errors_shared_by_all_ranks():
             if rank == 0 and record:  # first: a crash before the checkpoint is written redoes the epoch
                 utils.append_metrics(metrics_path, record)
+        with utils.errors_shared_by_all_ranks():
             save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
         if final:  # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
             weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

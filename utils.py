@@ -387,8 +387,9 @@ class StepRecords:
         """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest."""
         last = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}
         for path, key in ((self.path.with_name("metrics.jsonl"), "epoch"), (self.path, "global_step")):
-            lines = filter(None, path.read_text().splitlines()) if path.exists() else []  # no blank line
-            path.write_text("".join(f"{line}\n" for line in lines if json.loads(line)[key] <= last[key]))
+            lines = list(filter(None, path.read_text().splitlines())) if path.exists() else []  # no blank line
+            if (kept := [line for line in lines if json.loads(line)[key] <= last[key]]) != lines:
+                write_atomically(path, "".join(f"{line}\n" for line in kept).encode())  # a full disk loses none
         if self.args.tensorboard:  # imported only when asked for
             tb = importlib.import_module("torch.utils.tensorboard")
             self.writer = tb.SummaryWriter(self.path.with_name("tensorboard"), purge_step=last["global_step"] + 1)
@@ -402,11 +403,12 @@ class StepRecords:
         self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")
 
     def add(self, epoch: int, step: int, values: dict, suffix: str = "") -> None:
-        """A record of values (a validation's, say) at this step, and its console line with the same numbers."""
+        """A record of values (a validation's, say) at this step and its console line; a collective, for errors."""
         log.info(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch} {numbers(values)}{suffix}")
         global_step = epoch * self.steps_per_epoch + step
-        if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
-            append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
+        with errors_shared_by_all_ranks():  # a full disk ends every rank with one line
+            if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
+                append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
         if self.writer:  # rank 0's curves: each value at its global step
             for key in [key for key, value in values.items() if value is not None]:
                 self.writer.add_scalar(key, values[key], global_step)
@@ -587,14 +589,18 @@ def check_output_dir(path: Path) -> None:
     tempfile.TemporaryFile(dir=path).close()
 
 
-def save_checkpoint(state: dict, path: Path) -> None:
-    """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint and no temporary file."""
+def save_checkpoint(state: dict, path: Path) -> None:  # atomically
     buffer = io.BytesIO()
     torch.save(state, buffer)  # in memory first: torch.save reports a failed file write as a C++ error
+    write_atomically(path, buffer.getbuffer())
+
+
+def write_atomically(path: Path, data: bytes | memoryview) -> None:
+    """A crash or a full disk mid-write leaves the previous file and no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -706,6 +712,13 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     return epoch, step
 
 
-def append_metrics(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def append_metrics(path: Path, record: dict) -> None:  # a JSON line, whole or not at all, for a continued run
+    line = (json.dumps(record) + "\n").encode()
+    with open(path, "ab", buffering=0) as f:  # one write
+        size = f.tell()
+        try:
+            if f.write(line) < len(line):  # what fitted: the disk is full
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            f.truncate(size)
+            raise OSError(e.errno, e.strerror, str(path)) from None

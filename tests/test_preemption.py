@@ -117,22 +117,27 @@ def fill(disk: Path, leave: int) -> Path:
 
 
 def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk, reference):
-    args = [*TINY, "--no-augment"]  # the reference job
+    """The disk fills while rank 0 appends a step's record, then while it writes the checkpoint: each time every
+    rank ends with one line naming the file, no part line or temporary file is left, and once there is space the
+    same command continues to the reference's weights with every step's record once."""
+    args = [*TINY, "--no-augment", "--print-freq", "1"]  # the reference job, a record of about 230 bytes a step
     out = small_disk / "run"
     run(torchrun(2, "distributed.py", *args, "--stop-after", "1", "--output-dir", out))
-    filler = fill(small_disk, leave=16 * 1024)  # the metrics line fits, the checkpoint does not
-    full = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
-    line = (f"error: cannot write {out / 'checkpoint.pt'}: No space left on device: free space or use "
-            f"another --output-dir")
-    ends_every_rank_with(full, line)
-    assert "enforce fail" not in full.stderr
-    # no temporary file
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]
-    assert saved_position(out) == (1, 0)  # the previous checkpoint, whole
-
-    filler.unlink()
+    full = {"records": "steps.jsonl", "checkpoint": "checkpoint.pt"}
+    # the records fit in 64 KB, the checkpoint's 287 KB do not (epoch 2's metrics line is written before it)
+    for what, leave, epochs in (("records", 0, [1]), ("checkpoint", 64 * 1024, [1, 2])):
+        filler = fill(small_disk, leave=leave)
+        failed = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
+        ends_every_rank_with(failed, f"error: cannot write {out / full[what]}: No space left on device: free space "
+                                     f"or use another --output-dir")
+        assert "enforce fail" not in failed.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]
+        assert saved_position(out) == (1, 0) and [m["epoch"] for m in metrics(out)] == epochs  # the last, whole
+        assert steps(out)[-1]["global_step"] > 32  # every line whole: records of epoch 2, up to the full disk
+        filler.unlink()
     run(torchrun(2, "distributed.py", *args, "--output-dir", out))
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
     assert max_weight_difference(out, reference["two"]) <= 1e-6
 
 
