@@ -409,10 +409,10 @@ class StepRecords:
         with errors_shared_by_all_ranks():  # a full disk ends every rank with one line
             if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
                 append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
-        if self.writer:  # rank 0's curves: each value at its global step
-            for key in [key for key, value in values.items() if value is not None]:
-                self.writer.add_scalar(key, values[key], global_step)
-            self.writer.flush()  # on disk before a later checkpoint: a kill loses no point that the checkpoint keeps
+            if self.writer:  # rank 0's curves: each value at its global step
+                for key in [key for key, value in values.items() if value is not None]:
+                    self.writer.add_scalar(key, values[key], global_step)
+                self.writer.flush()  # on disk before a later checkpoint: a kill loses no point the checkpoint keeps
 
 
 def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default); losses and accuracies
