@@ -145,7 +145,8 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
         status = 1
     # all written or said: end without the interpreter's shutdown, where gloo's threads still abort about one
     # 2-process run in 50 on PyTorch 2.14 ("terminate called without an active exception"), after an error too
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(status)
 
 
@@ -403,7 +404,7 @@ class StepRecords:
         self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")
 
     def add(self, epoch: int, step: int, values: dict, suffix: str = "") -> None:
-        """A record of values (a validation's, say) at this step and its console line; a collective, for errors."""
+        """A record of values at this step, and its console line; a collective: a failed write ends all ranks."""
         log.info(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch} {numbers(values)}{suffix}")
         global_step = epoch * self.steps_per_epoch + step
         with errors_shared_by_all_ranks():  # a full disk ends every rank with one line

@@ -123,12 +123,11 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
     args = [*TINY, "--no-augment", "--print-freq", "1"]  # the reference job, a record of about 230 bytes a step
     out = small_disk / "run"
     run(torchrun(2, "distributed.py", *args, "--stop-after", "1", "--output-dir", out))
-    full = {"records": "steps.jsonl", "checkpoint": "checkpoint.pt"}
     # the records fit in 64 KB, the checkpoint's 287 KB do not (epoch 2's metrics line is written before it)
-    for what, leave, epochs in (("records", 0, [1]), ("checkpoint", 64 * 1024, [1, 2])):
+    for unwritten, leave, epochs in (("steps.jsonl", 0, [1]), ("checkpoint.pt", 64 * 1024, [1, 2])):
         filler = fill(small_disk, leave=leave)
         failed = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
-        ends_every_rank_with(failed, f"error: cannot write {out / full[what]}: No space left on device: free space "
+        ends_every_rank_with(failed, f"error: cannot write {out / unwritten}: No space left on device: free space "
                                      f"or use another --output-dir")
         assert "enforce fail" not in failed.stderr
         assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]
