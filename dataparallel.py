@@ -14,7 +14,7 @@ import utils  # first: it quiets PyTorch's C++ logging before torch loads
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
 
 
@@ -70,23 +70,26 @@ def select_devices(args) -> list[int]:
     return [int(i) for i in ids]
 
 
-def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader, torch.Generator]:
+def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader]:
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
                   persistent_workers=args.workers > 0)
-    # one process loads the whole batch; DataParallel splits it over the GPUs. A seeded generator
-    # gives the same shuffle as the DDP scripts' DistributedSampler at world size 1
-    shuffle = torch.Generator()
-    if isinstance(train_set, IterableDataset):  # a stream: its global batches, read as the DDP scripts do
-        train_loader = DataLoader(utils.GlobalBatches(train_set, args.batch_size, 0, 1), None,
+    # one process loads the whole batch; DataParallel splits it over the GPUs
+    if isinstance(train_set, IterableDataset):  # a stream, read here as the DDP scripts read it at world size 1
+        train_sampler = utils.StreamSampler(train_set, args.batch_size, 0, 1)
+        train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
+    else:  # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch too)
+        train_sampler = DistributedSampler(train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True)
+        # its own generator for worker seeds: the global random stream stays the model's (dropout)
+        train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
                                   generator=torch.Generator(), **common)
-    else:  # its own generator for worker seeds: the global random stream stays the model's (dropout)
-        train_loader = DataLoader(train_set, args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
-                                  drop_last=True, generator=torch.Generator(), **common)
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
-    val_loader = (DataLoader(utils.GlobalBatches(val_set, args.batch_size, 0, 1, False), None, **common)
-                  if isinstance(val_set, IterableDataset) else DataLoader(val_set, args.batch_size, **common))
-    return train_loader, val_loader, shuffle
+    if isinstance(val_set, IterableDataset):
+        val_sampler = utils.StreamSampler(val_set, args.batch_size, 0, 1, train=False)
+        val_loader = DataLoader(utils.Samples(), None, sampler=val_sampler, **common)
+    else:
+        val_loader = DataLoader(val_set, args.batch_size, **common)
+    return train_loader, val_loader
 
 
 def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
@@ -155,7 +158,7 @@ def main():
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
     train_set, val_set, num_classes = build_datasets(args)
-    train_loader, val_loader, shuffle = build_loaders(train_set, val_set, args, device)
+    train_loader, val_loader = build_loaders(train_set, val_set, args, device)
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
@@ -206,9 +209,9 @@ def main():
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        shuffle.manual_seed(args.seed + epoch)  # a new shuffle each epoch, as DistributedSampler's
-        # (a stream's set_epoch); continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, epoch, first_step)
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (a stream's too)
+        # continued mid-epoch: the same order, without the batches already trained on
+        loader = utils.epoch_loader(train_loader, first_step)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
                                  device, stop, save, records)
         first_step = 0

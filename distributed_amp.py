@@ -114,9 +114,10 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
                   persistent_workers=args.workers > 0)
-    if isinstance(train_set, IterableDataset):  # a stream: each rank its part of every global batch
-        train_loader = DataLoader(utils.GlobalBatches(train_set, batch_per_rank, rank, world_size), None,
-                                  generator=torch.Generator(), **common)
+    if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
+        # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
+        train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -125,11 +126,13 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
                                   generator=torch.Generator(), **common)
-    # validation: rank r takes images r, r+W, r+2W, ... (a stream's: its part of each global batch):
-    # every image exactly once (DistributedSampler would pad the last shard with repeated images)
-    val_loader = (DataLoader(utils.GlobalBatches(val_set, batch_per_rank, rank, world_size, False), None, **common)
-                  if isinstance(val_set, IterableDataset) else
-                  DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common))
+    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch, or its own
+    # shards): every image exactly once (DistributedSampler would pad the last shard with repeated images)
+    if isinstance(val_set, IterableDataset):
+        val_sampler = utils.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_loader = DataLoader(utils.Samples(), None, sampler=val_sampler, **common)
+    else:
+        val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
     return train_loader, val_loader
 
 
@@ -273,9 +276,9 @@ def main():
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        # a new shuffle each epoch, the same on all ranks (the sampler's or the stream's set_epoch);
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks (a stream's too)
         # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, epoch, first_step)
+        loader = utils.epoch_loader(train_loader, first_step)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, amp_dtype, epoch,
                                  first_step, args, device, stop, save, records)
         first_step = 0

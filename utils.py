@@ -1,8 +1,8 @@
 """What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
 from __future__ import annotations
 
-import argparse, contextlib, datetime, errno, functools, gc, importlib, inspect, io, itertools, json, logging, math, os
-import re, resource, signal, socket, sys, tempfile, time, uuid
+import argparse, contextlib, datetime, errno, functools, gc, hashlib, importlib, inspect, io, itertools, json, logging
+import math, os, pickle, re, resource, signal, socket, sys, tempfile, time, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -249,22 +249,16 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     return tensor
 
 
+def gathered(obj) -> list:  # every rank's obj, in rank order (a collective); [obj] in a world of one
+    objects = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if len(objects) > 1:
+        dist.all_gather_object(objects, obj)
+    return objects
+
+
 def unwrap(model: nn.Module) -> nn.Module:  # the plain module inside DDP / DataParallel / torch.compile wrappers
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
     return model if inner is None else unwrap(inner)
-
-
-def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
-                    key: tuple[int, int] | None = None):
-    """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
-    inputs, targets = batch
-    inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs  # a tokenizer's BatchEncoding: a plain dict
-    inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
-    if (transform := getattr(dataset, "batch_transform", None)) is not None:  # the built-in images' fast path
-        inputs = transform(inputs, key)
-    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    return inputs, targets
 
 
 # --------------------------------------------------- any batch, any task ----
@@ -308,6 +302,112 @@ def is_default_loss(compute_loss: Callable) -> bool:
     code = getattr(compute_loss, "__code__", None)
     return (code is not None and code.co_names == ("F", "cross_entropy")
             and set(code.co_consts) <= {None, compute_loss.__doc__})
+
+
+# ------------------------------------------------------------------ data ----
+
+def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
+                    key: tuple[int, int] | None = None):
+    """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
+    inputs, targets = batch
+    inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs  # a tokenizer's BatchEncoding: a plain dict
+    inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
+    if (transform := getattr(dataset, "batch_transform", None)) is not None:  # the built-in images' fast path
+        inputs = transform(inputs, key)
+    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets
+
+
+class StreamSampler:
+    """A stream read in the main process as global batches of part x world_size samples: this rank's part of each,
+    a list of samples that DataLoader(Samples(), sampler=...) hands to a worker to collate. Workers never iterate the
+    stream (a stream that splits itself by worker would lose data). The stream is read as V fixed readers (V of its
+    shards where it has them, else the whole of it) and a global batch takes size / V consecutive samples of each:
+    batches that do not depend on the processes or workers, and a rank reads only the readers its part overlaps."""
+
+    def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, train: bool = True):
+        self.stream, self.part, self.rank, self.size, self.train = stream, part, rank, part * world_size, train
+        shards, self.epoch = getattr(stream, "n_shards", 1) if hasattr(stream, "shard") else 1, 0
+        # training: readers of equally many shards that divide the global batch, whatever the processes;
+        # validation (every sample once, no batch to keep alike): one reader a rank, where the shards split so
+        self.readers = math.gcd(self.size, shards) if train else world_size if shards % world_size == 0 else 1
+        if train and shards > 1:
+            log.info(f"the stream's {shards} shards are read as {self.readers} readers, "
+                     + ("each by one process" if self.readers % world_size == 0 else "some by more than one process: "
+                        "a number of shards that divides the global batch and the processes avoids it"))
+
+    def set_epoch(self, epoch: int) -> None:  # a new order each epoch: passed to the stream's own set_epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
+        return (len(self.stream) + (0 if self.train else self.size - 1)) // self.size
+
+    def __iter__(self):
+        chunk = self.size // self.readers  # each reader's samples in a global batch
+        first, end = self.rank * self.part // chunk, -(-(self.rank + 1) * self.part // chunk)  # the readers it overlaps
+        readers = [self.stream.shard(self.readers, v) if self.readers > 1 else self.stream for v in range(first, end)]
+        for reader in readers:
+            getattr(reader, "set_epoch", id)(self.epoch)
+        readers, start = [iter(reader) for reader in readers], self.rank * self.part - first * chunk
+        while True:
+            chunks = [list(itertools.islice(reader, chunk)) for reader in readers]
+            samples = [sample for c in chunks for sample in c][start:start + self.part]
+            full = all(len(c) == chunk for c in chunks)  # training drops an incomplete last global batch
+            if samples and (full or not self.train):
+                yield samples
+            if not full:
+                return
+
+    def first(self, n: int) -> list:
+        """The stream's first n samples, alike on every rank (a collective): else it splits itself, and loses data."""
+        try:
+            samples = list(itertools.islice(self.stream, n))
+        except ValueError as e:  # webdataset's default node splitter refuses a second process
+            raise UsageError(f"the stream cannot be read ({first_line(e)}): give every process all of it") from None
+        try:  # tensors by value (their pickles differ between processes), the rest (text, bytes, images) pickled
+            digest = hashlib.sha256(pickle.dumps(tree_map_only(torch.Tensor, torch.Tensor.tolist, samples))).digest()
+        except (pickle.PicklingError, TypeError, AttributeError):  # samples no worker could take either
+            digest = b""
+        if len(set(gathered(digest))) > 1:
+            raise UsageError("the stream gives the processes different first samples: it must give every process "
+                             "all of it, in the same order (no split_dataset_by_node, no webdataset split_by_node): "
+                             "the script splits it")
+        return samples
+
+
+class Samples(Dataset):  # a StreamSampler's "index" is its list of samples: the worker collates it as it is
+    def __getitem__(self, samples: list) -> list:
+        return samples
+
+
+def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (a stream without len's)."""
+    try:
+        batches = len(loader) // micro_batches
+    except TypeError:  # a stream without __len__: an epoch is one pass, cut at N steps if it lasts that long
+        if not args.steps_per_epoch:
+            raise UsageError("the training set is a stream without __len__: give --steps-per-epoch N, the "
+                             "optimizer steps of an epoch") from None
+        batches = args.steps_per_epoch
+    return min(batches, args.steps_per_epoch or batches)
+
+
+def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
+    """The loader without its first skip batches (a run continued mid-epoch); call its sampler's set_epoch first."""
+    # the indices after them in this epoch's order; a stream's batches are read again, not collated
+    rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
+    return DataLoader(loader.dataset, loader.batch_size, sampler=rest, drop_last=loader.drop_last,
+                      collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                      generator=loader.generator) if skip else loader
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a spare batch."""
+    if isinstance(loader.sampler, StreamSampler):
+        return loader.sampler.first(n)
+    order = loader.sampler or range(len(loader.dataset))  # a share of nothing: the first
+    return [loader.dataset[i] for i in itertools.islice(order, n)]
 
 
 # ------------------------------------------------------------- metering ----
@@ -577,10 +677,7 @@ def errors_shared_by_all_ranks():
     except OSError as e:  # a failed write() names no file: then the directory it was in
         error = (f"cannot write {e.filename or 'in --output-dir'}: {e.strerror or e}: free space or use "
                  f"another --output-dir")
-    errors = [error] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if len(errors) > 1:
-        dist.all_gather_object(errors, error)
-    if any(errors):
+    if any(errors := gathered(error)):
         raise UsageError(next(e for e in errors if e))
 
 
@@ -608,64 +705,6 @@ def write_atomically(path: Path, data: bytes | memoryview) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise OSError(e.errno, e.strerror, str(path)) from None
-
-
-class GlobalBatches(IterableDataset):
-    """A stream as global batches of part x world_size samples: this rank's part of each, each worker its own ones."""
-
-    def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, drop_last: bool = True):
-        self.stream, self.part, self.rank, self.size, self.drop_last = stream, part, rank, part * world_size, drop_last
-        # the epoch, and the global batches to skip, in shared memory: persistent workers read them at each iter()
-        self.position = torch.zeros(2, dtype=torch.long).share_memory_()
-
-    def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
-        return (len(self.stream) + (0 if self.drop_last else self.size - 1)) // self.size
-
-    def __iter__(self):
-        epoch, skip = self.position.tolist()
-        if hasattr(self.stream, "set_epoch"):  # a new shuffle each epoch, in this worker's copy of the stream too
-            self.stream.set_epoch(epoch)
-        worker = torch.utils.data.get_worker_info() or argparse.Namespace(id=0, num_workers=1)  # none: this process
-        samples = iter(self.stream)
-        for index in itertools.count():
-            batch = list(itertools.islice(samples, self.size))  # a list, as collate takes it
-            if not batch or (self.drop_last and len(batch) < self.size):  # training drops an incomplete last one
-                return
-            part = batch[self.rank * self.part:(self.rank + 1) * self.part]
-            # each worker every num_workers-th batch: DataLoader's round robin over workers keeps them in order
-            if part and index >= skip and (index - skip) % worker.num_workers == worker.id:
-                yield part
-
-
-def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
-    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (a stream without len's)."""
-    try:
-        batches = len(loader) // micro_batches
-    except TypeError:  # a stream without __len__: an epoch is one pass, cut at N steps if it lasts that long
-        if not args.steps_per_epoch:
-            raise UsageError("the training set is a stream without __len__: give --steps-per-epoch N, the "
-                             "optimizer steps of an epoch") from None
-        batches = args.steps_per_epoch
-    return min(batches, args.steps_per_epoch or batches)
-
-
-def epoch_loader(loader: DataLoader, epoch: int, skip: int = 0) -> DataLoader:
-    """The loader of this epoch, shuffled anew, without its first skip batches (a run continued mid-epoch)."""
-    if isinstance(loader.dataset, GlobalBatches):  # read by the stream's workers, persistent ones too, at iter()
-        loader.dataset.position.copy_(torch.tensor([epoch, skip]))
-        return loader
-    if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler: a new shuffle, the same on every rank
-        loader.sampler.set_epoch(epoch)
-    return DataLoader(loader.dataset, loader.batch_size, sampler=list(loader.sampler)[skip * loader.batch_size:],
-                      drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-                      pin_memory=loader.pin_memory, generator=loader.generator) if skip else loader
-
-
-def first_samples(loader: DataLoader, n: int) -> list:
-    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a spare batch."""
-    dataset, order = loader.dataset, loader.sampler or range(len(loader.dataset))  # a share of nothing: the first
-    return list(itertools.islice(dataset.stream, n)) if isinstance(dataset, GlobalBatches) else [
-        dataset[i] for i in itertools.islice(order, n)]
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:

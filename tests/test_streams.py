@@ -186,9 +186,9 @@ def split(stream, batch_per_rank: int, world_size: int, workers: int, skip: int 
     """What each rank's loader gives, in order: the samples of each of its batches."""
     given = []
     for rank in range(world_size):
-        loader = DataLoader(utils.GlobalBatches(stream, batch_per_rank, rank, world_size), None, num_workers=workers,
-                            collate_fn=list)
-        given.append([batch for batch in utils.epoch_loader(loader, 0, skip)])
+        sampler = utils.StreamSampler(stream, batch_per_rank, rank, world_size)
+        loader = DataLoader(utils.Samples(), None, sampler=sampler, num_workers=workers, collate_fn=list)
+        given.append(list(utils.epoch_loader(loader, skip)))
     return given
 
 
@@ -200,18 +200,18 @@ def test_the_split_gives_every_sample_of_a_full_global_batch_once_in_order_with_
         # 6 full global batches of 16 (4 samples dropped): rank r gets samples 8r..8r+7 of each, in order
         assert ranks == [[list(range(16 * b + 8 * r, 16 * b + 8 * r + 8)) for b in range(6)] for r in range(2)]
         assert split(numbers, 8, 2, workers, skip=4) == [batches[4:] for batches in ranks]  # a continued epoch
-    validation = utils.GlobalBatches(numbers, 8, 1, 2, drop_last=False)  # rank 1 of 2: the last 4 samples are rank 0's
+    validation = utils.StreamSampler(numbers, 8, 1, 2, train=False)  # rank 1 of 2: the last 4 samples are rank 0's
     assert [s for part in validation for s in part] == [s for b in range(6) for s in range(16 * b + 8, 16 * b + 16)]
 
 
 def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     yours = users_code(YOUR_STREAM)
     args = argparse.Namespace(steps_per_epoch=None, batch_size=32)
-    sized = DataLoader(utils.GlobalBatches(yours["SizedBlobStream"](640, 1), 16, 0, 2), batch_size=None)
+    sized = DataLoader(utils.Samples(), None, sampler=utils.StreamSampler(yours["SizedBlobStream"](640, 1), 16, 0, 2))
     assert utils.steps_per_epoch(sized, args) == 20 and utils.steps_per_epoch(sized, args, 4) == 5
     args.steps_per_epoch = 15
     assert utils.steps_per_epoch(sized, args) == 15  # cut
-    unsized = DataLoader(utils.GlobalBatches(yours["BlobStream"](640, 1), 16, 0, 2), batch_size=None)
+    unsized = DataLoader(utils.Samples(), None, sampler=utils.StreamSampler(yours["BlobStream"](640, 1), 16, 0, 2))
     assert utils.steps_per_epoch(unsized, args) == 15
 
 

@@ -407,8 +407,9 @@ def test_utils_stays_small_and_each_script_holds_its_recipe():
         assert code_lines(ROOT / script) <= SCRIPT_LINES[script], script
         calls = ["DataLoader(", "def build_datasets(args)", "def build_model(args, num_classes",
                  "def compute_loss(outputs, targets)", "def collate(samples", "import builtin", "StepRecords(",
-                 "records.train(", "records.add(", "clip_grad_norm_(", "IterableDataset)", "utils.GlobalBatches(",
-                 "utils.steps_per_epoch(", "stop.steps(", "stop.agreed()", "utils.epoch_loader("]
+                 "records.train(", "records.add(", "clip_grad_norm_(", "IterableDataset)", "utils.StreamSampler(",
+                 "utils.steps_per_epoch(", "stop.steps(", "stop.agreed()", "utils.epoch_loader(",
+                 "train_loader.sampler.set_epoch(epoch)"]
         if script != "dataparallel.py":
             calls += ["init_process_group(", "DistributedSampler(", "range(rank, len(val_set), world_size)",
                       "dist.broadcast(", "destroy_process_group()", "barrier()"]
