@@ -361,8 +361,8 @@ class StreamSampler:
 
     def first(self, n: int) -> list:
         """The stream's first n samples, alike on every rank (a collective): else it splits itself, and loses data."""
-        try:
-            samples = list(itertools.islice(self.stream, n))
+        try:  # of the first reader, which every rank reads alike
+            samples = list(itertools.islice(self.stream.shard(self.readers, 0) if self.readers > 1 else self.stream, n))
         except ValueError as e:  # webdataset's default node splitter refuses a second process
             raise UsageError(f"the stream cannot be read ({first_line(e)}): give every process all of it") from None
         try:  # tensors by value (their pickles differ between processes), the rest (text, bytes, images) pickled
@@ -546,8 +546,9 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
     with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_available() else []):
         # one rank's error ends every rank with its line; before backward(), a collective under FSDP
         with errors_shared_by_all_ranks():
-            try:
-                samples, batch = loader.collate_fn(first_samples(loader, 2))
+            try:  # two samples for the step, more for the labels' check below (a stream's: its first reader's)
+                first = first_samples(loader, 256)
+                (samples, batch), more = loader.collate_fn(first[:2]), loader.collate_fn(first)[1]
             except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
                 raise UsageError(f"collate cannot batch the first samples ({first_line(e)}): pad them") from None
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
@@ -556,10 +557,9 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
                     outputs = forward(model.train(), inputs)
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
                 raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
-            # on a GPU a bad label is a device-side assert that kills the process; the first batch's targets: more
-            # labels than two samples have (a stream too short for one is told in training)
-            if is_default_loss(compute_loss) and (first_batch := next(iter(loader), None)):
-                check_class_targets(outputs, batch_to_device(first_batch[1], device, loader.dataset)[1])
+            # on a GPU a bad label is a device-side assert that kills the process: more labels than two samples have
+            if is_default_loss(compute_loss):
+                check_class_targets(outputs, batch_to_device(more, device, loader.dataset)[1])
             loss = compute_loss(outputs, targets)
             check_loss(loss)
         with FlopCounterMode(display=False) as backward_flops:

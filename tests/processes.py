@@ -98,11 +98,11 @@ def run(cmd: list, timeout: float = 180, env: dict | None = None, check: bool = 
     return result
 
 
-def run_parallel(cmds: list[tuple[list, dict]], timeout: float = 180, cwd: Path = ROOT,
+def run_parallel(cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT,
                  check: bool = True) -> list[subprocess.CompletedProcess]:
-    """Start several commands at once (the nodes of one job, or independent runs that share the cores better than
-    in turn) and wait for all."""
-    started = [start(cmd, env, cwd) for cmd, env in cmds]
+    """Start several commands (each with its environment, and its own folder where a third item names one) at once:
+    the nodes of one job, or independent runs that share the cores better than in turn; wait for all."""
+    started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in cmds]
     results = [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
         if check and r.returncode != 0:

@@ -5,9 +5,11 @@ mid-epoch continues exactly, on 2 processes or on 1; what cannot work ends in on
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shutil
+import tarfile
 
 import pytest
 import torch
@@ -215,20 +217,35 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     assert utils.steps_per_epoch(unsized, args) == 15
 
 
-def write_json_lines(directory, files: int, lines: int, seed: int) -> None:
-    """{"text": token ids, "label": 0..3} records, half of whose tokens are 20 of the label's own, half any of 999."""
+def write_json_lines(directory, files: int, lines: int | list[int], seed: int, tar: bool = False) -> None:
+    """{"id", "text": token ids, "label": 0..3} records, half of whose tokens are 20 of the label's own, half any of 999:
+    files of `lines` records each (or of each count of a list), JSON lines, or webdataset tar shards (ID.json)."""
     generator = torch.Generator().manual_seed(seed)
     directory.mkdir(parents=True)
-    for f in range(files):
+    for f, count in enumerate([lines] * files if isinstance(lines, int) else lines):
         records = []
-        for _ in range(lines):
+        for i in range(count):
             label = int(torch.randint(4, (), generator=generator))
             length = int(torch.randint(5, 21, (), generator=generator))
             own = 1 + 250 * label + torch.randint(0, 20, (length,), generator=generator)
             other = torch.randint(1, 1000, (length,), generator=generator)
             text = torch.where(torch.rand(length, generator=generator) < 0.5, own, other)
-            records.append(json.dumps({"text": text.tolist(), "label": label}) + "\n")
-        (directory / f"part-{f}.jsonl").write_text("".join(records))
+            records.append(json.dumps({"id": f"{seed}-{f}-{i}", "text": text.tolist(), "label": label}))
+        if not tar:
+            (directory / f"part-{f}.jsonl").write_text("".join(f"{record}\n" for record in records))
+            continue
+        with tarfile.open(directory / f"part-{f}.tar", "w") as shard:
+            for record in records:
+                member = tarfile.TarInfo(f"{json.loads(record)['id']}.json")
+                member.size = len(record.encode())
+                shard.addfile(member, io.BytesIO(record.encode()))
+
+
+def docs_example(after: str) -> str:
+    """The code of the first python block after the text `after` in docs/your-project.md's part on streams."""
+    page = (ROOT / "docs" / "your-project.md").read_text()
+    part = page[page.index("## Data that streams"):]
+    return re.search(r"```python\n(.*?)```", part[part.index(after):], re.S).group(1)
 
 
 def test_the_json_lines_example_in_the_docs_trains_as_shown(tmp_path):
@@ -236,7 +253,7 @@ def test_the_json_lines_example_in_the_docs_trains_as_shown(tmp_path):
     the page shows: it learns, every validation line is counted once, and epochs are cut at --steps-per-epoch."""
     page = (ROOT / "docs" / "your-project.md").read_text()
     part = page[page.index("## Data that streams"):]
-    code = re.search(r"```python\n(.*?)```", part[part.index("A complete example"):], re.S).group(1)
+    code = docs_example("A complete example")
     command = re.search(r"`(torchrun [^`]*distributed.py[^`]*)`", part).group(1).split()
     write_json_lines(tmp_path / "data" / "train", files=3, lines=400, seed=1)  # 37 global batches of 32 a pass
     write_json_lines(tmp_path / "data" / "val", files=2, lines=101, seed=2)
