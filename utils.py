@@ -320,54 +320,49 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
 
 
 class StreamSampler:
-    """A stream read in the main process as global batches of part x world_size samples: this rank's part of each,
-    a list of samples that DataLoader(Samples(), sampler=...) hands to a worker to collate. Workers never iterate the
-    stream (a stream that splits itself by worker would lose data). The stream is read as V fixed readers (V of its
-    shards where it has them, else the whole of it) and a global batch takes size / V consecutive samples of each:
-    batches that do not depend on the processes or workers, and a rank reads only the readers its part overlaps."""
+    """A stream read in the main process as global batches, each of the next size / V samples of V fixed readers (V of
+    its shards where it has them): this rank's part of each, a list of samples that a DataLoader worker collates."""
 
     def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, train: bool = True):
         self.stream, self.part, self.rank, self.size, self.train = stream, part, rank, part * world_size, train
         shards, self.epoch = getattr(stream, "n_shards", 1) if hasattr(stream, "shard") else 1, 0
-        # training: readers of equally many shards that divide the global batch, whatever the processes;
-        # validation (every sample once, no batch to keep alike): one reader a rank, where the shards split so
+        # training: readers of equally many shards that divide the global batch, whatever the processes; validation
+        # (every sample once, no batch to keep alike): a reader a rank where the shards split so, else the whole
         self.readers = math.gcd(self.size, shards) if train else world_size if shards % world_size == 0 else 1
-        if train and shards > 1:
-            log.info(f"the stream's {shards} shards are read as {self.readers} readers, "
-                     + ("each by one process" if self.readers % world_size == 0 else "some by more than one process: "
-                        "a number of shards that divides the global batch and the processes avoids it"))
 
-    def set_epoch(self, epoch: int) -> None:  # a new order each epoch: passed to the stream's own set_epoch
+    def set_epoch(self, epoch: int) -> None:  # a new order each epoch: passed on to the stream's own set_epoch
         self.epoch = epoch
 
     def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
         return (len(self.stream) + (0 if self.train else self.size - 1)) // self.size
 
+    def reader(self, v: int):  # the stream's v-th part of self.readers, at this epoch
+        reader = self.stream.shard(self.readers, v) if self.readers > 1 else self.stream
+        if hasattr(reader, "set_epoch"):
+            reader.set_epoch(self.epoch)
+        return reader
+
     def __iter__(self):
-        chunk = self.size // self.readers  # each reader's samples in a global batch
-        first, end = self.rank * self.part // chunk, -(-(self.rank + 1) * self.part // chunk)  # the readers it overlaps
-        readers = [self.stream.shard(self.readers, v) if self.readers > 1 else self.stream for v in range(first, end)]
-        for reader in readers:
-            getattr(reader, "set_epoch", id)(self.epoch)
-        readers, start = [iter(reader) for reader in readers], self.rank * self.part - first * chunk
+        chunk = self.size // self.readers  # each reader's samples in a global batch; this rank's part overlaps:
+        first, end = self.rank * self.part // chunk, -(-(self.rank + 1) * self.part // chunk)
+        readers, start = [iter(self.reader(v)) for v in range(first, end)], self.rank * self.part - first * chunk
         while True:
             chunks = [list(itertools.islice(reader, chunk)) for reader in readers]
             samples = [sample for c in chunks for sample in c][start:start + self.part]
-            full = all(len(c) == chunk for c in chunks)  # training drops an incomplete last global batch
-            if samples and (full or not self.train):
+            full = all(len(c) == chunk for c in chunks)
+            if samples and (full or not self.train):  # training drops an incomplete last global batch
                 yield samples
             if not full:
                 return
 
     def first(self, n: int) -> list:
-        """The stream's first n samples, alike on every rank (a collective): else it splits itself, and loses data."""
-        try:  # of the first reader, which every rank reads alike
-            samples = list(itertools.islice(self.stream.shard(self.readers, 0) if self.readers > 1 else self.stream, n))
+        """The first reader's first n samples, alike on every rank (a collective), or else the stream splits itself."""
+        try:  # tensors compared by value: their pickles differ between processes
+            samples = list(itertools.islice(self.reader(0), n))
+            digest = hashlib.sha256(pickle.dumps(tree_map_only(torch.Tensor, torch.Tensor.tolist, samples))).digest()
         except ValueError as e:  # webdataset's default node splitter refuses a second process
             raise UsageError(f"the stream cannot be read ({first_line(e)}): give every process all of it") from None
-        try:  # tensors by value (their pickles differ between processes), the rest (text, bytes, images) pickled
-            digest = hashlib.sha256(pickle.dumps(tree_map_only(torch.Tensor, torch.Tensor.tolist, samples))).digest()
-        except (pickle.PicklingError, TypeError, AttributeError):  # samples no worker could take either
+        except (pickle.PicklingError, TypeError, AttributeError):  # samples no worker could take either: unchecked
             digest = b""
         if len(set(gathered(digest))) > 1:
             raise UsageError("the stream gives the processes different first samples: it must give every process "
@@ -405,9 +400,8 @@ def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
 def first_samples(loader: DataLoader, n: int) -> list:
     """The first n samples of this rank's loader (a stream's first): for the start-up step, or a spare batch."""
     if isinstance(loader.sampler, StreamSampler):
-        return loader.sampler.first(n)
-    order = loader.sampler or range(len(loader.dataset))  # a share of nothing: the first
-    return [loader.dataset[i] for i in itertools.islice(order, n)]
+        return loader.sampler.first(n)  # a share of nothing (a sampler with no index): the first
+    return [loader.dataset[i] for i in itertools.islice(loader.sampler or range(len(loader.dataset)), n)]
 
 
 # ------------------------------------------------------------- metering ----

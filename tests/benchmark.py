@@ -19,6 +19,7 @@ import platform
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -27,12 +28,67 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and utils
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
+from test_your_own_data import copy_with_your_functions  # noqa: E402
 
 
 TEXTBOOK = "textbook loop: PIL transforms per image"
 BLOCKING = "DDP, 2 processes, per-step agreement blocking"
+STREAM = "stream decoded in its own map, 2 processes x 2 workers"
+# the last commit whose scripts split a stream in every rank and worker (GlobalBatches), for the stream row's "before"
+STREAM_BEFORE = "5d2471b"
+# a stream of JSON lines in 8 shards that decodes each sample where it is read (as a Hugging Face map or a webdataset
+# decode would): fake-data images of a class pattern and noise; each decode is counted as a byte appended to $DECODES
+STREAM_CODE = """
+import json
+import os
+
+
+class JsonImages(torch.utils.data.IterableDataset):
+    def __init__(self, size, seed):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.rand(10, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+        labels = torch.randint(0, 10, (size,), generator=generator)
+        images = (255 * (centres[labels] + 0.3 * torch.randn(size, 3, 16, 16, generator=generator)).clamp(0, 1))
+        self.lines = [json.dumps({"pixels": image.flatten().tolist(), "label": int(label)})
+                      for image, label in zip(images.to(torch.uint8), labels)]
+        self.epoch = 0
+
+    def __len__(self):
+        return len(self.lines)
+
+    n_shards = 8  # as a Hugging Face stream of 8 files: each reader decodes its own samples
+
+    def shard(self, num_shards, index):
+        part = JsonImages(0, 0)
+        part.lines, part.n_shards = self.lines[index::num_shards], self.n_shards // num_shards
+        return part
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        decodes = os.open(os.environ["DECODES"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        for i in torch.randperm(len(self.lines), generator=torch.Generator().manual_seed(self.epoch)).tolist():
+            record = json.loads(self.lines[i])  # the decode, in the stream
+            os.write(decodes, b"x")
+            yield torch.tensor(record["pixels"], dtype=torch.float32).view(3, 16, 16) / 255 - 0.5, record["label"]
+        os.close(decodes)
+
+
+def build_datasets(args):
+    return JsonImages(args.fake_size, 1), JsonImages(args.fake_size // 5, 2), 10
+
+
+def build_model(args, num_classes):
+    import builtin
+    return builtin.model("tiny", num_classes, 16)
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
 
 
 @dataclass
@@ -44,6 +100,7 @@ class Case:
     launcher: str = "torchrun"  # torchrun, python, or pair (two independent processes)
     env: dict = field(default_factory=dict)
     blocking: bool = False  # the per-step all-reduce (stop signal, next batch) waited at once, as it was before
+    stream: str = ""  # a stream (STREAM_CODE) read as the scripts read it "now", or as they did "before"
 
 
 def cases(quick: bool, gpus: int) -> list[Case]:
@@ -63,6 +120,9 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case("accumulation K=4, all-reduce every micro-batch", "distributed_grad_accum.py", 2,
                  ["--accum-steps", "4", "--sync-every-micro-batch"]),
             Case("FSDP, 2 processes", "distributed_fsdp.py", 2),
+            Case(f"{STREAM}: read by the main processes", "distributed.py", 2, ["--workers", "2"], stream="now"),
+            Case(f"{STREAM}: read by every rank and worker ({STREAM_BEFORE})", "distributed.py", 2,
+                 ["--workers", "2"], stream="before"),
         ]
     cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
     return [
@@ -102,6 +162,9 @@ def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
     if case.blocking:
         case = Case(case.name, blocking_copy(case.script, out / "copy"), case.nproc, case.flags, case.launcher,
                     case.env)
+    if case.stream:
+        case = Case(case.name, str(stream_copy(case.script, out, case.stream)), case.nproc, case.flags, case.launcher,
+                    {**case.env, "DECODES": str(out / "decodes")}, stream=case.stream)
     if case.launcher == "pair":  # two runs that never communicate, each with half the batch and data
         half = half_workload(flags)
         run_parallel([(python(case.script, *half, "--output-dir", out / str(i)), case.env) for i in (0, 1)],
@@ -110,7 +173,26 @@ def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
     cmd = (python(case.script, *flags, "--output-dir", out) if case.launcher == "python"
            else torchrun(case.nproc, case.script, *flags, "--output-dir", out))
     run(cmd, timeout=1800, env=case.env)
-    return [metrics(out)]
+    epochs = metrics(out)
+    if case.stream:  # decodes per sample: over each epoch's pass through the training and the validation stream
+        size = int(flags[flags.index("--fake-size") + 1])
+        epochs[-1]["decodes_per_sample"] = (out / "decodes").stat().st_size / (len(epochs) * (size + size // 5))
+    return [epochs]
+
+
+def stream_copy(script: str, out: Path, version: str) -> Path:
+    """script and utils.py with STREAM_CODE as the user's functions (and builtin.py for its model): this version, or
+    those of STREAM_BEFORE, taken from git."""
+    root = ROOT
+    if version == "before":
+        root = out / "before"
+        root.mkdir(parents=True)
+        for name in (script, "utils.py"):
+            (root / name).write_text(subprocess.run(["git", "show", f"{STREAM_BEFORE}:{name}"], cwd=ROOT, check=True,
+                                                    capture_output=True, text=True).stdout)
+    copy = copy_with_your_functions(script, out / "copy", STREAM_CODE, root)
+    shutil.copy(ROOT / "builtin.py", copy.parent)
+    return copy
 
 
 def blocking_copy(script: str, directory: Path) -> str:
@@ -152,6 +234,7 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
                 state_mb=(sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
                           if "params_mb" in last else None),
                 peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
+                decodes=statistics.median(p[0][-1].get("decodes_per_sample", 0) for p in runs),
                 data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
                                           for processes in runs for m in processes[0][1:]))
 
@@ -216,6 +299,7 @@ def cpu_ratios(results: dict[str, dict]) -> str:
         f"time per image against the same training without DDP (goal <= 3%)",
         f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
         agreement_ratio(results),
+        stream_ratio(results),
         f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
         fsdp_ratio(results, "FSDP, 2 processes", "DDP, 2 processes"),
         textbook_ratio(results, "DDP, 2 processes")])
@@ -227,6 +311,15 @@ def agreement_ratio(results: dict[str, dict]) -> str:
     a, b = results["DDP, 2 processes"], results[BLOCKING]
     return (f"- per-step agreement (stop signal, next batch): overlapped with the step / blocking = "
             f"{a['best'] / b['best']:.2f}x images/s (median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
+
+
+def stream_ratio(results: dict[str, dict]) -> str:
+    """A stream that decodes where it is read: read by the main processes against by every rank and worker."""
+    now, before = (results[f"{STREAM}: read by {who}"] for who in
+                   ("the main processes", f"every rank and worker ({STREAM_BEFORE})"))
+    return (f"- streams: read by the main processes / by every rank and worker = {now['best'] / before['best']:.2f}x "
+            f"images/s (median runs {now['images_per_s'] / before['images_per_s']:.2f}x); decodes per sample "
+            f"{now['decodes']:.2f} against {before['decodes']:.2f}")
 
 
 def fsdp_ratio(results: dict[str, dict], fsdp: str, ddp: str) -> str:
@@ -293,6 +386,8 @@ def main() -> None:
         print("\n" + cpu_ratios(results))
     elif {"DDP, 2 processes", BLOCKING} <= results.keys():  # --only "DDP, 2 proc"
         print("\n" + agreement_ratio(results))
+    elif sum(name.startswith(STREAM) for name in results) == 2:  # --only stream
+        print("\n" + stream_ratio(results))
     elif any(name.startswith(TEXTBOOK) for name in results) and len(results) > 1:
         print("\n" + textbook_ratio(results, "DDP + AMP float16"))
         if {"FSDP fp32", "DDP fp32"} <= results.keys():

@@ -126,12 +126,12 @@ PLUG_POINTS = ("build_datasets", "build_model", "compute_loss", "collate")
 COMMON = ["--batch-size", "32", "--epochs", "3", "--lr", "0.05", "--workers", "0", "--timeout", "60"]
 
 
-def copy_with_your_functions(script: str, directory: Path, yours: str) -> Path:
-    """script and utils.py copied into directory, its four plug-point functions replaced by yours (the script's
-    own collate() where yours defines none)."""
+def copy_with_your_functions(script: str, directory: Path, yours: str, root: Path = ROOT) -> Path:
+    """script and utils.py (of root: this repository, or another version of it) copied into directory, its four
+    plug-point functions replaced by yours (the script's own collate() where yours defines none)."""
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "utils.py", directory)
-    source = (ROOT / script).read_text()
+    shutil.copy(root / "utils.py", directory)
+    source = (root / script).read_text()
     lines = source.splitlines(keepends=True)
     spans = {node.name: (node.lineno, node.end_lineno) for node in ast.parse(source).body
              if isinstance(node, ast.FunctionDef) and node.name in PLUG_POINTS}
