@@ -30,11 +30,13 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 try:  # FSDP2's fully_shard is public from PyTorch 2.6
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # one write a line: every rank says it at once
     sys.stderr.write(f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not "
                      f"{torch.__version__}\n")
     sys.exit(1)
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
@@ -78,6 +80,12 @@ def parse_args():
                         help="compute in this precision (FSDP's MixedPrecisionPolicy; default: float32)")
     parser.add_argument("--init-scale", type=float, default=2.0**16,
                         help="the gradient scaler's first loss scale (float16 only)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="each sharding unit recomputes its activations in backward: less memory, more compute")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="parameters, gradients and optimizer state in host memory, for when 1/N does not fit a GPU")
+    parser.add_argument("--replicate", type=int, default=1, metavar="N",
+                        help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)")
     args = parser.parse_args()
     utils.check_args(args)
     return args
@@ -104,6 +112,8 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         device = torch.device("cpu")
         utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if args.cpu_offload and backend == "nccl":  # offloaded gradients: their norm is all-reduced on the CPU
+        backend = "cpu:gloo,cuda:nccl"
     if args.dist_url:
         init_method = args.dist_url
     elif args.ip or args.port:
@@ -117,7 +127,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+                                device_id=device if "nccl" in backend else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device
@@ -171,14 +181,21 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def shard_model(model: nn.Module, amp_dtype: torch.dtype | None) -> nn.Module:
+def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMesh, args) -> nn.Module:
     """fully_shard each block, then the root (what is left: embeddings, a head). Replace it to choose other units."""
-    # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in float32 for the loss
-    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-    for block in sharding_units(model):
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32,
-                                                             output_dtype=torch.float32 if amp_dtype else None))
+    units = sharding_units(model)
+    if args.activation_checkpointing:  # non-reentrant: the random state (dropout) is replayed in the recompute
+        if hasattr(model, "gradient_checkpointing_enable"):  # a Hugging Face model checkpoints its own layers
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for block in [] if hasattr(model, "gradient_checkpointing_enable") else units:
+            checkpoint(block)  # hooks, not a wrapper module: the checkpoint's keys stay plain
+    # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in float32 for the loss;
+    # --cpu-offload: shards in host memory, each block copied to the GPU for its forward and backward
+    offload = CPUOffloadPolicy() if args.cpu_offload and mesh.device_type == "cuda" else OffloadPolicy()
+    for block in units:
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(amp_dtype, torch.float32), offload_policy=offload)
+    return fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=MixedPrecisionPolicy(
+        amp_dtype, torch.float32, output_dtype=torch.float32 if amp_dtype else None))
 
 
 def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
@@ -308,9 +325,17 @@ def main():
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)  # a killed write's
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
+    if args.replicate < 1 or world_size % args.replicate:
+        raise UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes")
+    # the shards' mesh: world size / N ranks hold each replica (hybrid sharding: gathers stay within a node)
+    mesh = init_device_mesh(device.type, (args.replicate, world_size // args.replicate), mesh_dim_names=(
+        "replicate", "shard")) if args.replicate > 1 else init_device_mesh(device.type, (world_size,))
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
              f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "
-             f"weight decay {args.weight_decay:g}, compute in {amp_dtype or torch.float32}")
+             f"weight decay {args.weight_decay:g}, compute in {amp_dtype or torch.float32}, "
+             f"{args.replicate} x {world_size // args.replicate} shards")
+    if args.cpu_offload and device.type == "cpu":
+        log.info("--cpu-offload: on CPU processes the state is in host memory already; trained as without it")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
     torch.manual_seed(args.seed)  # identical initial weights on every rank: each keeps its shard of them
@@ -326,7 +351,9 @@ def main():
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     # each block moves to the device and keeps 1/world_size of its weights there: the whole model never does
-    model = shard_model(model, amp_dtype).to(device)
+    # (offloaded, the shards stay in host memory)
+    model = shard_model(model, amp_dtype, mesh, args)
+    model = model if args.cpu_offload else model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
     flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device, unused_ok=True)
     if args.compile:

@@ -3,6 +3,7 @@ state per rank, and its sharded checkpoint continues on another number of proces
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics, python,
+from processes import (EVAL_EVERY, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics, python,
                        run, run_parallel, start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
@@ -164,6 +165,77 @@ def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     model.load_state_dict(state)
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # trained tied
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+YOUR_DROPOUT_MODEL = '''
+import os
+
+
+class Block(nn.Sequential):
+    """A sharding unit with dropout; rank 0's first block notes its training forwards in $FORWARDS."""
+    forwards = 0
+
+    def forward(self, x):
+        if self.training and self.note and os.environ.get("RANK", "0") == "0":
+            Block.forwards += 1
+            with open(os.environ["FORWARDS"], "w") as f:
+                f.write(str(Block.forwards))
+        return super().forward(x)
+
+
+def build_model(args, num_classes):
+    first, second = Block(nn.Linear(3 * 16 * 16, 64), nn.GELU(), nn.Dropout(0.3)), Block(nn.Linear(64, 64), nn.GELU())
+    first.note, second.note = True, False
+    return nn.Sequential(nn.Flatten(), first, second, nn.Linear(64, num_classes))
+'''
+
+
+def script_with(tmp_path: Path, name: str, yours: str) -> Path:
+    """distributed_fsdp.py with yours pasted over its build_model (its data and loss kept), and builtin.py beside."""
+    source = (ROOT / "distributed_fsdp.py").read_text()
+    start, end = source.index("def build_model("), source.index("def compute_loss(")
+    (tmp_path / name).mkdir()
+    for other in ("utils.py", "builtin.py"):
+        shutil.copy(ROOT / other, tmp_path / name)
+    (tmp_path / name / "distributed_fsdp.py").write_text(source[:start] + yours.lstrip() + "\n\n" + source[end:])
+    return tmp_path / name / "distributed_fsdp.py"
+
+
+def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weights_with_dropout(tmp_path):
+    """--activation-checkpointing runs each sharding unit's forward again in backward, with the random numbers of
+    the first (dropout): the same weights, to 1e-6, under plain keys. --cpu-offload on CPU processes says in one
+    line that it changes nothing, and trains so."""
+    copy = script_with(tmp_path, "copy", YOUR_DROPOUT_MODEL)
+    runs = {"plain": [], "recomputed": ["--activation-checkpointing", "--cpu-offload"]}
+    results = run_parallel([(torchrun(2, copy, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),
+                             {"FORWARDS": str(tmp_path / f"{name}.forwards")}) for name, flags in runs.items()])
+    forwards = {name: int((tmp_path / f"{name}.forwards").read_text()) for name in runs}
+    assert forwards == {"plain": 1 + 2 * 32, "recomputed": 2 * (1 + 2 * 32)}, forwards  # the start-up step's too
+    assert "--cpu-offload: on CPU processes the state is in host memory already" in results[1].stdout
+    assert difference(weights(tmp_path / "recomputed"), weights(tmp_path / "plain")) <= 1e-6
+    assert list(weights(tmp_path / "recomputed")) == ["1.0.weight", "1.0.bias", "2.0.weight", "2.0.bias", "3.weight",
+                                                     "3.bias"]
+
+
+def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(reference, tmp_path):
+    """--replicate 2 on 4 processes: 2 replicas, each sharded over 2 ranks (a 2-D mesh), the data split over all 4.
+    It trains what 1 DDP process trains (1e-5); stopped after 2 epochs, its checkpoint continues as plain FSDP on 2
+    processes and on 1 (1e-5)."""
+    hybrid = [*EXACT, *EVAL_EVERY, "--replicate", "2"]
+    straight, _ = run_parallel([(torchrun(4, "distributed_fsdp.py", *hybrid, "--output-dir", tmp_path / "four"), {}),
+                                (torchrun(4, "distributed_fsdp.py", *hybrid, "--stop-after", "2", "--output-dir",
+                                          tmp_path / "stopped"), {})], timeout=300)
+    assert "2 x 2 shards" in straight.stdout
+    assert difference(weights(tmp_path / "four"), weights(reference["one"])) <= 1e-5
+    assert_same_records(steps(tmp_path / "four"), steps(reference["one"]), tolerance=1e-5)
+    for name in ("on-two", "on-one"):
+        shutil.copytree(tmp_path / "stopped", tmp_path / name)
+    run_parallel([(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", tmp_path / "on-two"), {}),
+                  (python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", tmp_path / "on-one"), {})],
+                 timeout=300)
+    for name in ("on-two", "on-one"):
+        assert [m["world_size"] for m in metrics(tmp_path / name)] == [4, 4, 2 if name == "on-two" else 1]
+        assert difference(weights(tmp_path / name), weights(tmp_path / "four")) <= 1e-5
 
 
 def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint(small_disk, fsdp):

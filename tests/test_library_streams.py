@@ -116,7 +116,8 @@ def library_runs(tmp_path_factory):
     for stream in DATA:
         specs[stream, "one"] = ("distributed.py", 1, ["--workers", "0"], {})
         specs[stream, "two"] = ("distributed.py", 2, ["--workers", "2"], {})
-    specs["huggingface", "stopped"] = ("distributed.py", 2, ["--workers", "2"], {"TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7})
+    specs["huggingface", "stopped"] = ("distributed.py", 2, ["--workers", "2"],
+                                       {"TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7})
     for stream in ("huggingface", "webdataset"):
         for name, script, processes, flags, _ in SCRIPTS:
             specs[stream, name] = (script, processes, flags, {})
@@ -215,8 +216,8 @@ def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_a
 def test_a_stream_that_splits_itself_ends_every_rank_with_one_line(tmp_path):
     """split_dataset_by_node (the step the docs say to leave out), and webdataset's default node splitter."""
     folder = prepare(tmp_path, "huggingface")
-    split = COUNTED.replace("    return train.map(", "    from datasets.distributed import split_dataset_by_node\n"
-                            "    train = split_dataset_by_node(train, int(os.environ['RANK']), 2)\n    return train.map(")
+    split = COUNTED.replace("    return train.map(", "    from datasets.distributed import split_dataset_by_node\n    "
+                            "train = split_dataset_by_node(train, int(os.environ['RANK']), 2)\n    return train.map(")
     refused = COUNTED.replace("nodesplitter=None", "nodesplitter=wds.shardlists.single_node_only")
     runs = {"split": (split, "huggingface", "error: the stream gives the processes different first samples"),
             "default": (refused, "webdataset", "error: the stream cannot be read (you need to add an explicit "

@@ -218,8 +218,8 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
 
 
 def write_json_lines(directory, files: int, lines: int | list[int], seed: int, tar: bool = False) -> None:
-    """{"id", "text": token ids, "label": 0..3} records, half of whose tokens are 20 of the label's own, half any of 999:
-    files of `lines` records each (or of each count of a list), JSON lines, or webdataset tar shards (ID.json)."""
+    """{"id", "text": token ids, "label": 0..3} records, half of whose tokens are 20 of the label's own, half of any
+    of 999: files of `lines` records each (or each count of a list), JSON lines or webdataset tar shards (ID.json)."""
     generator = torch.Generator().manual_seed(seed)
     directory.mkdir(parents=True)
     for f, count in enumerate([lines] * files if isinstance(lines, int) else lines):
