@@ -83,7 +83,7 @@ def parse_args():
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="each sharding unit recomputes its activations in backward: less memory, more compute")
     parser.add_argument("--cpu-offload", action="store_true",
-                        help="parameters, gradients and optimizer state in host memory, for when 1/N does not fit a GPU")
+                        help="parameters, gradients and optimizer state in host memory (when 1/N of it exceeds a GPU)")
     parser.add_argument("--replicate", type=int, default=1, metavar="N",
                         help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)")
     args = parser.parse_args()
@@ -179,6 +179,26 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
             if parameters and all(n.startswith(prefix) for p in parameters for n in owners[p]):
                 units.append(child)
     return units
+
+
+def build_once(args, num_classes: int, rank: int) -> nn.Module:
+    """build_model on rank 0; on the others on the meta device (shapes, no memory), where it can build so (a
+    from_pretrained cannot: build from the config on ranks > 0, docs/fsdp.md). Every rank then has the random
+    streams that rank 0's build left, as if each had built the model itself."""
+    model = None
+    if rank > 0:
+        try:
+            with torch.device("meta"):
+                model = build_model(args, num_classes)
+        except Exception as e:  # a user's code: any type; built as on rank 0, still trained
+            log.warning(f"build_model cannot build on the meta device ({utils.first_line(e)}): rank {rank} builds "
+                        f"the whole model in memory")
+    if model is None:
+        model = build_model(args, num_classes)
+    streams = [torch.get_rng_state()]
+    dist.broadcast_object_list(streams, src=0)
+    torch.set_rng_state(streams[0])
+    return model
 
 
 def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMesh, args) -> nn.Module:
@@ -338,22 +358,28 @@ def main():
         log.info("--cpu-offload: on CPU processes the state is in host memory already; trained as without it")
 
     torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
-    torch.manual_seed(args.seed)  # identical initial weights on every rank: each keeps its shard of them
+    torch.manual_seed(args.seed)  # rank 0's initial weights, and the same random streams on every rank
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
                                              world_size, device)
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    model = build_model(args, num_classes)
+    model = build_once(args, num_classes, rank)  # rank 0 builds (or reads) the weights; the others, no memory
     if args.sync_bn or args.find_unused_parameters:
         raise UsageError("--sync-bn and --find-unused-parameters are DDP's: FSDP shards normalisation statistics "
                          "with nothing and trains parameters without gradient as they are; use distributed.py")
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+    whole = model.state_dict() if rank == 0 else {}  # rank 0's weights, to send each rank its shards of them
     # each block moves to the device and keeps 1/world_size of its weights there: the whole model never does
     # (offloaded, the shards stay in host memory)
     model = shard_model(model, amp_dtype, mesh, args)
-    model = model if args.cpu_offload else model.to(device)
+    place = torch.device("cpu") if args.cpu_offload else device
+    model = model.to_empty(device=place) if any(p.is_meta for p in model.parameters()) else model.to(place)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():  # those no state dict holds too (rotary tables)
+        dist.broadcast(buffer, 0)
+    del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
     flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device, unused_ok=True)
     if args.compile:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics, python,
-                       run, run_parallel, start, steps, torchrun, wait_for, weights)
+from processes import (EVAL_EVERY, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics,
+                       python, run, run_parallel, start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
@@ -150,11 +150,16 @@ def collate(samples):
 
 def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     """GPT-2 from a small config: its blocks are the sharding units, its head stays tied to its embedding in the
-    root unit, the (sum, count) token loss falls, and model.pt loads into a fresh GPT-2 of the config."""
+    root unit, the (sum, count) token loss falls, and model.pt loads into a fresh GPT-2 of the config. With
+    --activation-checkpointing (the model's own, with its dropout) it trains the same weights."""
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_LANGUAGE_MODEL)
     out = tmp_path / "out"
-    run(launch(copy, 2, "--batch-size", "32", "--epochs", "3", "--workers", "0", "--timeout", "60",
-               "--optimizer", "adamw", "--lr", "1e-2", "--output-dir", out), cwd=tmp_path)
+    flags = ["--batch-size", "32", "--epochs", "3", "--workers", "0", "--timeout", "60", "--optimizer", "adamw",
+             "--lr", "1e-2"]
+    run_parallel([(launch(copy, 2, *flags, "--output-dir", out), {}),
+                  (launch(copy, 2, *flags, "--activation-checkpointing", "--output-dir", tmp_path / "recomputed"), {})],
+                 cwd=tmp_path)
+    assert difference(weights(tmp_path / "recomputed"), weights(out)) <= 1e-6
     losses = [m["val_loss"] for m in metrics(out)]
     print(f"GPT-2 under FSDP, 2 processes: validation loss per token by epoch {losses}")
     # an untrained model's loss is about ln 64 = 4.16 a token; the ideal, about 0.4 (a sequence's first two tokens)
@@ -190,25 +195,31 @@ def build_model(args, num_classes):
 '''
 
 
-def script_with(tmp_path: Path, name: str, yours: str) -> Path:
-    """distributed_fsdp.py with yours pasted over its build_model (its data and loss kept), and builtin.py beside."""
-    source = (ROOT / "distributed_fsdp.py").read_text()
+def script_with(tmp_path: Path, script: str, yours: str) -> Path:
+    """script with yours pasted over its build_model (its data and loss kept), and builtin.py beside it."""
+    source = (ROOT / script).read_text()
     start, end = source.index("def build_model("), source.index("def compute_loss(")
-    (tmp_path / name).mkdir()
+    (tmp_path / script).mkdir()
     for other in ("utils.py", "builtin.py"):
-        shutil.copy(ROOT / other, tmp_path / name)
-    (tmp_path / name / "distributed_fsdp.py").write_text(source[:start] + yours.lstrip() + "\n\n" + source[end:])
-    return tmp_path / name / "distributed_fsdp.py"
+        shutil.copy(ROOT / other, tmp_path / script)
+    (tmp_path / script / script).write_text(source[:start] + yours.lstrip() + "\n\n" + source[end:])
+    return tmp_path / script / script
 
 
 def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weights_with_dropout(tmp_path):
     """--activation-checkpointing runs each sharding unit's forward again in backward, with the random numbers of
     the first (dropout): the same weights, to 1e-6, under plain keys. --cpu-offload on CPU processes says in one
-    line that it changes nothing, and trains so."""
-    copy = script_with(tmp_path, "copy", YOUR_DROPOUT_MODEL)
-    runs = {"plain": [], "recomputed": ["--activation-checkpointing", "--cpu-offload"]}
-    results = run_parallel([(torchrun(2, copy, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),
-                             {"FORWARDS": str(tmp_path / f"{name}.forwards")}) for name, flags in runs.items()])
+    line that it changes nothing, and trains so. And the model built on rank 0 alone draws dropout as DDP does,
+    where each rank builds it (1e-5)."""
+    copy, ddp = script_with(tmp_path, "distributed_fsdp.py", YOUR_DROPOUT_MODEL), script_with(
+        tmp_path, "distributed.py", YOUR_DROPOUT_MODEL)
+    runs = {"plain": (copy, []), "recomputed": (copy, ["--activation-checkpointing", "--cpu-offload"]),
+            "ddp": (ddp, [])}
+    results = run_parallel([(torchrun(2, script, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),
+                             {"FORWARDS": str(tmp_path / f"{name}.forwards")})
+                            for name, (script, flags) in runs.items()])
+    assert difference(weights(tmp_path / "plain"), weights(tmp_path / "ddp")) <= 1e-5
+    del runs["ddp"]
     forwards = {name: int((tmp_path / f"{name}.forwards").read_text()) for name in runs}
     assert forwards == {"plain": 1 + 2 * 32, "recomputed": 2 * (1 + 2 * 32)}, forwards  # the start-up step's too
     assert "--cpu-offload: on CPU processes the state is in host memory already" in results[1].stdout
