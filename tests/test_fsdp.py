@@ -249,6 +249,62 @@ def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(r
         assert difference(weights(tmp_path / name), weights(tmp_path / "four")) <= 1e-5
 
 
+YOUR_GPT2_SMALL = '''
+import os
+import resource
+
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def collate(samples):
+    """Stacked; its first call, the start-up check's, notes the rank's peak resident memory in MiB so far: the
+    build, the sharding and the weights' broadcast, before the first forward gathers any unit."""
+    path = os.path.join(os.environ["PEAKS"], os.environ.get("RANK", "0"))
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    return torch.utils.data.default_collate(samples)
+
+
+def build_datasets(args):  # random tokens: a run of one step
+    ids = list(torch.randint(0, 50257, (24, 16), generator=torch.Generator().manual_seed(0)))
+    return [(x, x) for x in ids[:16]], [(x, x) for x in ids[16:]], 50257
+
+
+def build_model(args, num_classes):
+    if os.environ.get("REFUSE_META") and torch.empty(0).is_meta:  # as a from_pretrained under the meta device
+        raise RuntimeError("cannot build on the meta device")
+    return GPT2LMHeadModel(GPT2Config())  # GPT-2 small: 124M parameters, 475 MiB in float32
+
+
+def compute_loss(outputs, targets):
+    logits, labels = outputs.logits[:, :-1], targets[:, 1:]
+    return F.cross_entropy(logits.transpose(1, 2), labels, reduction="sum"), labels.numel()
+'''
+
+
+def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_path):
+    """GPT-2 small on 2 processes: rank 1 builds it on the meta device and receives its shards, one tensor at a
+    time, so before the first step its peak memory is its shards and the largest tensor (the 147 MiB embedding)
+    above the interpreter's, well below rank 0's, which built the whole model (475 MiB, and the build's own
+    temporaries). A build_model that cannot build on meta (one warning line) leaves rank 1 as high as rank 0, as
+    every rank built the whole model before."""
+    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_GPT2_SMALL)
+    flags = ["--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "1", "--workers", "0", "--momentum", "0",
+             "--timeout", "120"]
+    peaks = {}
+    for name, env in (("once", {}), ("every rank", {"REFUSE_META": "1"})):
+        (tmp_path / name).mkdir()
+        result = run(launch(copy, 2, *flags, "--output-dir", tmp_path / name / "out"), timeout=300, cwd=tmp_path,
+                     env={**env, "PEAKS": str(tmp_path / name)})
+        assert ("cannot build on the meta device" in result.stdout) == bool(env), result.stdout
+        peaks[name] = [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)]
+    print(f"peak resident memory before the first step, MiB, ranks 0 and 1: {peaks}")
+    once, every = peaks["once"], peaks["every rank"]
+    assert once[1] < once[0] - 200 and once[1] < every[1] - 150, peaks  # measured: 300 and 206 below
+    assert abs(every[1] - every[0]) < 150, peaks
+
+
 def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint(small_disk, fsdp):
     """Every rank writes its shard into checkpoint.new/, so a full disk fails a write on some rank: every rank
     ends with one line, the last complete checkpoint stays in place, and once there is space the same command
