@@ -3,6 +3,7 @@ state per rank, and its sharded checkpoint continues on another number of proces
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import signal
 import time
@@ -303,6 +304,24 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
     once, every = peaks["once"], peaks["every rank"]
     assert once[1] < once[0] - 200 and once[1] < every[1] - 150, peaks  # measured: 300 and 206 below
     assert abs(every[1] - every[0]) < 150, peaks
+
+
+def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_it(tmp_path):
+    """docs/fsdp.md's build_model (from_pretrained on rank 0, from_config on the others, there on the meta device),
+    pasted with the small GPT-2's data and loss, on a checkpoint saved with save_pretrained: rank 1 builds on meta
+    (no warning), and with --lr 0 the trained weights are the pretrained ones."""
+    page = (ROOT / "docs" / "fsdp.md").read_text()
+    recipe = re.search(r"```python\n(.*?)```", page[page.index("A Hugging Face model from a checkpoint"):], re.S)[1]
+    yours = users_code(YOUR_LANGUAGE_MODEL)
+    pretrained = yours["GPT2LMHeadModel"](yours["CONFIG"])
+    pretrained.save_pretrained(tmp_path / "gpt2")
+    code = YOUR_LANGUAGE_MODEL.replace("def build_model(", "def replaced_build_model(") + recipe.replace(
+        "path/to/checkpoint", str(tmp_path / "gpt2"))
+    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", f"import torch.distributed as dist\n{code}")
+    result = run(launch(copy, 2, "--batch-size", "32", "--epochs", "1", "--workers", "0", "--timeout", "60",
+                        "--lr", "0", "--output-dir", tmp_path / "out"), cwd=tmp_path)
+    assert "cannot build on the meta device" not in result.stdout + result.stderr
+    assert difference(weights(tmp_path / "out"), pretrained.state_dict()) == 0.0
 
 
 def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint(small_disk, fsdp):
