@@ -413,8 +413,9 @@ def main():
         if final:  # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
             weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             with utils.errors_shared_by_all_ranks():
-                if rank == 0:
+                if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
                     utils.save_checkpoint(weights, output_dir / "model.pt")
+                    utils.save_pretrained(module, output_dir / "hf", weights)
 
     path = latest_checkpoint(checkpoint_dir, rank)
     start_epoch, first_step = 0, 0

@@ -273,6 +273,9 @@ def train(local_rank: int, args) -> None:
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record)
         utils.log_epoch(record, args.epochs)
+    with utils.errors_shared_by_all_ranks():  # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
+        if rank == 0:
+            utils.save_pretrained(utils.unwrap(model), output_dir / "hf")
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

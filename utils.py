@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse, contextlib, datetime, errno, functools, gc, hashlib, importlib, inspect, io, itertools, json, logging
-import math, os, pickle, re, resource, signal, socket, sys, tempfile, time, uuid
+import math, os, pickle, re, resource, shutil, signal, socket, sys, tempfile, time, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -744,6 +744,16 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     log.info(f"continuing from {path}: {epoch} of {args.epochs} epochs done"
              + (f" and {step} steps of the next" if step else ""))
     return epoch, step
+
+
+def save_pretrained(model: nn.Module, directory: Path, state: dict | None = None) -> None:
+    """A Hugging Face model as its save_pretrained writes it (a PEFT model: the adapter alone), for from_pretrained:
+    from state, its whole weights with plain keys, where the model holds shards; in place once complete."""
+    if hasattr(model, "save_pretrained"):  # any other model: model.pt or checkpoint.pt is all
+        new = directory.with_name(directory.name + ".new")
+        model.save_pretrained(new, state_dict=model.state_dict() if state is None else state)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(new, directory)
 
 
 def append_metrics(path: Path, record: dict) -> None:  # a JSON line, whole or not at all, for a continued run

@@ -317,7 +317,8 @@ def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_
     pretrained.save_pretrained(tmp_path / "gpt2")
     code = YOUR_LANGUAGE_MODEL.replace("def build_model(", "def replaced_build_model(") + recipe.replace(
         "path/to/checkpoint", str(tmp_path / "gpt2"))
-    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", f"import torch.distributed as dist\n{code}")
+    code = f"import torch.distributed as dist\n{code}"
+    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", code)
     result = run(launch(copy, 2, "--batch-size", "32", "--epochs", "1", "--workers", "0", "--timeout", "60",
                         "--lr", "0", "--output-dir", tmp_path / "out"), cwd=tmp_path)
     assert "cannot build on the meta device" not in result.stdout + result.stderr
