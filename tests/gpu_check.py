@@ -1,5 +1,6 @@
-"""Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler,
-FSDP, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a clean end), for a machine with a GPU. CI has
+"""Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler, FSDP with CPU offload and
+activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a clean end), for a
+machine with a GPU. CI has
 none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails."""
 from __future__ import annotations
@@ -73,10 +74,17 @@ def main() -> None:
     check("FSDP's records (losses, the norm over nccl shards) == DDP's", same and d <= 1e-4, f"max difference {d:.2e}")
     events = list((tmp / "ddp" / "tensorboard").glob("events.out.tfevents.*"))
     check("--tensorboard on a GPU run wrote its event file", len(events) == 1, f"{len(events)} event files")
+    run(torchrun(1, "distributed_fsdp.py", *exact, "--clip-grad", "1", "--output-dir", tmp / "fsdp-clipped"))
     run(torchrun(1, "distributed_fsdp.py", *exact, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
     m = metrics(tmp / "fsdp-bf16")[-1]
     check("FSDP bfloat16 (MixedPrecisionPolicy) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
           f"model state {m['params_mb'] + m['grads_mb'] + m['optimizer_mb']:.2f} MB per rank")
+    # offloaded state (the gradient norm's all-reduce on the CPU group beside nccl) and recomputed activations
+    run(torchrun(1, "distributed_fsdp.py", *exact, "--cpu-offload", "--activation-checkpointing", "--clip-grad", "1",
+                 "--output-dir", tmp / "fsdp-offload"))
+    d = max_weight_difference(tmp / "fsdp-offload", tmp / "fsdp-clipped")
+    check("FSDP --cpu-offload --activation-checkpointing --clip-grad == FSDP --clip-grad", d <= 1e-4,
+          f"max weight difference {d:.2e}")
     resnet = ["--dataset", "fake", "--arch", "resnet18", "--fake-size", "2048", "--batch-size", "128",
               "--epochs", "2", "--workers", "2"]
     run(torchrun(1, "distributed.py", *resnet, "--sync-bn", "--output-dir", tmp / "syncbn"))
