@@ -293,13 +293,15 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_GPT2_SMALL)
     flags = ["--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "1", "--workers", "0", "--momentum", "0",
              "--timeout", "120"]
-    peaks = {}
-    for name, env in (("once", {}), ("every rank", {"REFUSE_META": "1"})):
+    runs = {"once": {}, "every rank": {"REFUSE_META": "1"}}
+    for name in runs:
         (tmp_path / name).mkdir()
-        result = run(launch(copy, 2, *flags, "--output-dir", tmp_path / name / "out"), timeout=300, cwd=tmp_path,
-                     env={**env, "PEAKS": str(tmp_path / name)})
+    results = run_parallel([(launch(copy, 2, *flags, "--output-dir", tmp_path / name / "out"),
+                             {**env, "PEAKS": str(tmp_path / name)}) for name, env in runs.items()],
+                           timeout=300, cwd=tmp_path)
+    for result, env in zip(results, runs.values()):
         assert ("cannot build on the meta device" in result.stdout) == bool(env), result.stdout
-        peaks[name] = [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)]
+    peaks = {name: [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)] for name in runs}
     print(f"peak resident memory before the first step, MiB, ranks 0 and 1: {peaks}")
     once, every = peaks["once"], peaks["every rank"]
     assert once[1] < once[0] - 200 and once[1] < every[1] - 150, peaks  # measured: 300 and 206 below
