@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -46,7 +45,8 @@ def note_memory():
 
 def build_datasets(args):
     threading.Thread(target=note_memory, daemon=True).start()
-    ids = list(torch.randint(0, 50257, (args.batch_size * 3, 32), generator=torch.Generator().manual_seed(0)))
+    tokens = int(os.environ["TOKENS"])
+    ids = list(torch.randint(0, 50257, (args.batch_size * 3, tokens), generator=torch.Generator().manual_seed(0)))
     return [(x, x) for x in ids[:args.batch_size * 2]], [(x, x) for x in ids[args.batch_size * 2:]], 50257
 
 
@@ -91,14 +91,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(CONFIGS), default="gpt2", help="the GPT-2 built from its config")
     parser.add_argument("--only", default=None, help="the approaches whose names contain this")
-    parser.add_argument("--batch-size", type=int, default=4, help="global batch of 32-token sequences")
+    parser.add_argument("--batch-size", type=int, default=4, help="global batch of sequences")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens a sequence")
     args = parser.parse_args()
     config = json.dumps(CONFIGS[args.model])
     flags = ["--batch-size", str(args.batch_size), "--epochs", "1", "--workers", "0", "--optimizer", "adamw",
              "--timeout", "600", "--print-freq", "1"]
-    print(f"{args.model}, 2 CPU processes, AdamW, batch {args.batch_size} of 32 tokens, 2 steps; {platform.node()}")
-    print("| approach | rank | " + " | ".join(PHASES) + " | state held (GiB) |")
-    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: |")
+    print(f"{args.model}, 2 CPU processes, AdamW, batch {args.batch_size} of {args.tokens} tokens, 2 steps")
+    print("| approach | rank | " + " | ".join(PHASES) + " | state held (GiB) | s/step |")
+    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: |")
     for name, (script, extra) in APPROACHES.items():
         if args.only and args.only not in name:
             continue
@@ -106,13 +107,14 @@ def main() -> None:
             copy = copy_with_your_functions(script, Path(tmp) / "copy", MEASURED)
             (Path(tmp) / "memory").mkdir()
             run(launch(copy, 2, *flags, *extra, "--output-dir", Path(tmp) / "out"), timeout=3600, cwd=Path(tmp),
-                env={"MEMORY": str(Path(tmp) / "memory"), "GPT2_CONFIG": config, "OMP_NUM_THREADS": "1"})
+                env={"MEMORY": str(Path(tmp) / "memory"), "GPT2_CONFIG": config, "OMP_NUM_THREADS": "1",
+                     "TOKENS": str(args.tokens)})
             m = metrics(Path(tmp) / "out")[-1]
             state = (m["params_mb"] + m["grads_mb"] + m["optimizer_mb"]) / 1024
             for rank in (0, 1):
                 found = peaks(Path(tmp) / "memory" / str(rank))
                 cells = " | ".join(f"{found[p]:.2f}" if p in found else "-" for p in PHASES)
-                print(f"| {name} | {rank} | {cells} | {state:.2f} |", flush=True)
+                print(f"| {name} | {rank} | {cells} | {state:.2f} | {m['epoch_time_s'] / 2:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
