@@ -207,8 +207,9 @@ def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMes
     if args.activation_checkpointing:  # non-reentrant: the random state (dropout) is replayed in the recompute
         if hasattr(model, "gradient_checkpointing_enable"):  # a Hugging Face model checkpoints its own layers
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for block in [] if hasattr(model, "gradient_checkpointing_enable") else units:
-            checkpoint(block)  # hooks, not a wrapper module: the checkpoint's keys stay plain
+        else:
+            for block in units:
+                checkpoint(block)  # hooks, not a wrapper module: the checkpoint's keys stay plain
     # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in float32 for the loss;
     # --cpu-offload: shards in host memory, each block copied to the GPU for its forward and backward
     offload = CPUOffloadPolicy() if args.cpu_offload and mesh.device_type == "cuda" else OffloadPolicy()

@@ -400,7 +400,8 @@ def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
 def first_samples(loader: DataLoader, n: int) -> list:
     """The first n samples of this rank's loader (a stream's first): for the start-up step, or a spare batch."""
     if isinstance(loader.sampler, StreamSampler):
-        return loader.sampler.first(n)  # a share of nothing (a sampler with no index): the first
+        return loader.sampler.first(n)
+    # a share of nothing (a validation sampler with no index): the first of the set
     return [loader.dataset[i] for i in itertools.islice(loader.sampler or range(len(loader.dataset)), n)]
 
 
