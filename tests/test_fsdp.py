@@ -189,6 +189,15 @@ class Block(nn.Sequential):
         return super().forward(x)
 
 
+def build_datasets(args):  # the scripts' own data and loss: the built-in fake images
+    import builtin
+    return builtin.datasets(args)
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+
+
 def build_model(args, num_classes):
     first, second = Block(nn.Linear(3 * 16 * 16, 64), nn.GELU(), nn.Dropout(0.3)), Block(nn.Linear(64, 64), nn.GELU())
     first.note, second.note = True, False
@@ -196,24 +205,15 @@ def build_model(args, num_classes):
 '''
 
 
-def script_with(tmp_path: Path, script: str, yours: str) -> Path:
-    """script with yours pasted over its build_model (its data and loss kept), and builtin.py beside it."""
-    source = (ROOT / script).read_text()
-    start, end = source.index("def build_model("), source.index("def compute_loss(")
-    (tmp_path / script).mkdir()
-    for other in ("utils.py", "builtin.py"):
-        shutil.copy(ROOT / other, tmp_path / script)
-    (tmp_path / script / script).write_text(source[:start] + yours.lstrip() + "\n\n" + source[end:])
-    return tmp_path / script / script
-
-
 def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weights_with_dropout(tmp_path):
     """--activation-checkpointing runs each sharding unit's forward again in backward, with the random numbers of
     the first (dropout): the same weights, to 1e-6, under plain keys. --cpu-offload on CPU processes says in one
     line that it changes nothing, and trains so. And the model built on rank 0 alone draws dropout as DDP does,
     where each rank builds it (1e-5)."""
-    copy, ddp = script_with(tmp_path, "distributed_fsdp.py", YOUR_DROPOUT_MODEL), script_with(
-        tmp_path, "distributed.py", YOUR_DROPOUT_MODEL)
+    copy, ddp = (copy_with_your_functions(script, tmp_path / script, YOUR_DROPOUT_MODEL)
+                 for script in ("distributed_fsdp.py", "distributed.py"))
+    for script in (copy, ddp):
+        shutil.copy(ROOT / "builtin.py", script.parent)  # the built-in fake images
     runs = {"plain": (copy, []), "recomputed": (copy, ["--activation-checkpointing", "--cpu-offload"]),
             "ddp": (ddp, [])}
     results = run_parallel([(torchrun(2, script, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),

@@ -97,14 +97,18 @@ def prepare(base: Path, stream: str) -> Path:
     return folder
 
 
+def environment(base: Path, stream: str, counts: Path) -> dict:
+    """Which stream the user's code builds, offline (no hub is reached), and where it notes what it read."""
+    return {"STREAMS": "webdataset" if stream == "webdataset" else "huggingface", "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1", "HF_HOME": str(base / "hf-home"), "COUNTS": str(counts)}
+
+
 def run_spec(base: Path, stream: str, name: str, script: str, processes: int, flags, env=None):
     folder = prepare(base, stream)
     copy = copy_with_your_functions(script, folder / f"copy-{script}", COUNTED)
     (folder / name / "counts").mkdir(parents=True)
-    environment = {"STREAMS": "webdataset" if stream == "webdataset" else "huggingface", "HF_DATASETS_OFFLINE": "1",
-                   "HF_HUB_OFFLINE": "1", "HF_HOME": str(base / "hf-home"), "COUNTS": str(folder / name / "counts"),
-                   **(env or {})}
-    return launch(copy, processes, *FLAGS, *flags, "--output-dir", folder / name), environment, folder
+    env = {**environment(base, stream, folder / name / "counts"), **(env or {})}
+    return launch(copy, processes, *FLAGS, *flags, "--output-dir", folder / name), env, folder
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +230,7 @@ def test_a_stream_that_splits_itself_ends_every_rank_with_one_line(tmp_path):
         data = prepare(tmp_path, streams)
         copy = copy_with_your_functions("distributed.py", tmp_path / f"copy-{name}", code)
         (tmp_path / name).mkdir()
-        env = {"STREAMS": streams, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-               "HF_HOME": str(tmp_path / "hf-home"), "COUNTS": str(tmp_path / name)}
         started[name] = start(launch(copy, 2, *FLAGS, "--workers", "2", "--output-dir", tmp_path / name / "out"),
-                              env=env, cwd=data)
+                              env=environment(tmp_path, streams, tmp_path / name), cwd=data)
     for name, (_, _, line) in runs.items():
         ends_every_rank_with(finish(*started[name], timeout=120), line, 2)
