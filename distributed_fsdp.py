@@ -201,6 +201,26 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
     return model
 
 
+def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -> None:
+    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or its share of the
+    host's); a state that cannot fit ends the run in one line here, not by the out-of-memory killer mid-step."""
+    gb = lambda params: sum(p.numel() * p.element_size() for p in params) / 1e9  # noqa: E731 (meta: sizes only)
+    whole, grads = gb(model.parameters()), gb(p for p in model.parameters() if p.requires_grad) / shards
+    state = [whole / shards, grads, grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0))]
+    if place.type == "cuda":
+        free = torch.cuda.mem_get_info(place)[0] / 1e9
+    else:  # what the host has available (on rank 0's node also the model rank 0 built, freed once sharded), shared
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else "MemAvailable: 0"
+        available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024 / 1e9 or float("inf")
+        free = (available + whole * (dist.get_rank() < local_ranks)) / local_ranks
+    line = (f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients {state[1]:.2f}, "
+            f"{args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it ({place.type})")
+    if sum(state) > free:
+        raise UsageError(f"{line}: it cannot fit: use more processes, --cpu-offload (GPUs) or a smaller model")
+    log.info(line)
+
+
 def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMesh, args) -> nn.Module:
     """fully_shard each block, then the root (what is left: embeddings, a head). Replace it to choose other units."""
     units = sharding_units(model)
@@ -230,7 +250,6 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epo
                                                 key=(epoch, step))
         outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
-        optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's gradients here:
         # every rank keeps the mean gradient of its own shard
         scaler.scale(utils.loss_for_backward(loss)).backward()
@@ -242,6 +261,7 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epo
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # a DTensor
         scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.update()
+        optimizer.zero_grad(set_to_none=True)  # freed now: the next forward, validation and saves need no gradients
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
@@ -371,11 +391,12 @@ def main():
                          "with nothing and trains parameters without gradient as they are; use distributed.py")
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+    place = torch.device("cpu") if args.cpu_offload else device  # where the shards will be (offloaded: host memory)
+    with utils.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
+        check_state_fits(model, world_size // args.replicate, args, place)
     whole = model.state_dict() if rank == 0 else {}  # rank 0's weights, to send each rank its shards of them
     # each block moves to the device and keeps 1/world_size of its weights there: the whole model never does
-    # (offloaded, the shards stay in host memory)
     model = shard_model(model, amp_dtype, mesh, args)
-    place = torch.device("cpu") if args.cpu_offload else device
     model = model.to_empty(device=place) if any(p.is_meta for p in model.parameters()) else model.to(place)
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():  # those no state dict holds too (rotary tables)

@@ -5,9 +5,13 @@ resident memory of its process every 50 ms and the phase it is in.
     python tests/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
     python tests/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
 
-Phases: build (build_model), shard (FSDP's sharding and the weights sent from rank 0; DDP's wrap), start-up (the
-start-up check's step), training (the optimizer steps), end (validation and the saves). Prints, per approach and rank, the peak
-resident memory of each phase in GiB beside the state the rank holds (metrics.jsonl's, rank 0's).
+Each approach runs twice: 1 epoch of 2 steps (of 2 planned epochs), then the same command again, which continues
+from the checkpoint and trains the second. Phases of the first run: build (build_model), shard (FSDP's sharding and
+the weights sent from rank 0; DDP's wrap), start-up (the start-up check's step), training (the optimizer steps),
+validation, save (from validation's last loss: the checkpoint, model.pt, hf/); continuation: the whole second run.
+Prints, per approach and rank, the peak resident memory of each phase in GiB, what the save adds to the memory it
+began with, the state the rank holds (metrics.jsonl's, rank 0's), the job's peak (both ranks' resident memory at
+the same moment, summed), and the start-up line that says what each rank will hold.
 """
 from __future__ import annotations
 
@@ -52,6 +56,8 @@ def build_datasets(args):
 
 def build_model(args, num_classes):
     model = GPT2LMHeadModel(GPT2Config.from_dict(json.loads(os.environ["GPT2_CONFIG"])))
+    model.register_forward_pre_hook(lambda module, inputs: None if torch.is_grad_enabled() else PHASE.__setitem__(
+        0, "validation"))
     PHASE[0] = "shard"
     return model
 
@@ -61,13 +67,13 @@ CALLS = [0]
 
 def collate(samples):  # the start-up check collates twice; then each training batch
     CALLS[0] += 1
-    PHASE[0] = "start-up" if CALLS[0] <= 2 else "training" if PHASE[0] != "end" else "end"
+    PHASE[0] = "start-up" if CALLS[0] <= 2 else "training"
     return torch.utils.data.default_collate(samples)
 
 
 def compute_loss(outputs, targets):
-    if not torch.is_grad_enabled():  # validation: the end of the run begins
-        PHASE[0] = "end"
+    if not torch.is_grad_enabled():  # a validation forward is done: the saves follow the last one
+        PHASE[0] = "save"
     logits, labels = outputs.logits[:, :-1], targets[:, 1:]
     return F.cross_entropy(logits.transpose(1, 2), labels, reduction="sum"), labels.numel()
 '''
@@ -75,46 +81,72 @@ def compute_loss(outputs, targets):
 CONFIGS = {"gpt2": {}, "gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20}}
 APPROACHES = {"DDP": ("distributed.py", []), "FSDP": ("distributed_fsdp.py", []),
               "FSDP + activation checkpointing": ("distributed_fsdp.py", ["--activation-checkpointing"])}
-PHASES = ["build", "shard", "start-up", "training", "end"]
+PHASES = ["build", "shard", "start-up", "training", "validation", "save", "continuation"]
 
 
-def peaks(path: Path) -> dict[str, float]:
-    """The largest resident memory, GiB, of each phase in a rank's notes."""
-    found: dict[str, float] = {}
-    for line in path.read_text().splitlines():
-        _, phase, mib = line.split()
-        found[phase] = max(found.get(phase, 0.0), float(mib) / 1024)
+def notes(directory: Path, rank: int) -> list[tuple[float, str, float]]:
+    """A rank's notes of both runs, (seconds, phase, GiB), the second run's phase named continuation."""
+    found = []
+    for run_dir, second in ((directory / "1", False), (directory / "2", True)):
+        for line in (run_dir / str(rank)).read_text().splitlines():
+            seconds, phase, mib = line.split()
+            found.append((float(seconds), "continuation" if second else phase, float(mib) / 1024))
     return found
+
+
+def peaks(found: list[tuple[float, str, float]]) -> dict[str, float]:
+    """The largest resident memory, GiB, of each phase."""
+    highest: dict[str, float] = {}
+    for _, phase, gib in found:
+        highest[phase] = max(highest.get(phase, 0.0), gib)
+    return highest
+
+
+def job_peak(ranks: list[list[tuple[float, str, float]]]) -> float:
+    """The largest sum of every rank's latest note, GiB: the job's resident memory at one moment."""
+    latest, highest = [0.0] * len(ranks), 0.0
+    for seconds, rank, gib in sorted((s, r, g) for r, found in enumerate(ranks) for s, _, g in found):
+        latest[rank] = gib
+        highest = max(highest, sum(latest))
+    return highest
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(CONFIGS), default="gpt2", help="the GPT-2 built from its config")
-    parser.add_argument("--only", default=None, help="the approaches whose names contain this")
+    parser.add_argument("--only", default=None, help="this approach alone: DDP, FSDP, ...")
     parser.add_argument("--batch-size", type=int, default=4, help="global batch of sequences")
     parser.add_argument("--tokens", type=int, default=32, help="tokens a sequence")
     args = parser.parse_args()
     config = json.dumps(CONFIGS[args.model])
-    flags = ["--batch-size", str(args.batch_size), "--epochs", "1", "--workers", "0", "--optimizer", "adamw",
-             "--timeout", "600", "--print-freq", "1"]
-    print(f"{args.model}, 2 CPU processes, AdamW, batch {args.batch_size} of {args.tokens} tokens, 2 steps")
-    print("| approach | rank | " + " | ".join(PHASES) + " | state held (GiB) | s/step |")
-    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: |")
+    flags = ["--batch-size", str(args.batch_size), "--epochs", "2", "--workers", "0", "--optimizer", "adamw",
+             "--timeout", "600", "--print-freq", "1", "--steps-per-epoch", "2"]
+    print(f"{args.model}, 2 CPU processes, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps")
+    print("| approach | rank | " + " | ".join(PHASES) + " | save adds | state held | job | s/step |")
+    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: | ---: | ---: |")
     for name, (script, extra) in APPROACHES.items():
-        if args.only and args.only not in name:
+        if args.only and args.only != name:
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            copy = copy_with_your_functions(script, Path(tmp) / "copy", MEASURED)
-            (Path(tmp) / "memory").mkdir()
-            run(launch(copy, 2, *flags, *extra, "--output-dir", Path(tmp) / "out"), timeout=3600, cwd=Path(tmp),
-                env={"MEMORY": str(Path(tmp) / "memory"), "GPT2_CONFIG": config, "OMP_NUM_THREADS": "1",
-                     "TOKENS": str(args.tokens)})
-            m = metrics(Path(tmp) / "out")[-1]
+            copy, said = copy_with_your_functions(script, Path(tmp) / "copy", MEASURED), set()
+            for second in ("1", "2"):  # the first run stops after its epoch; the same command continues
+                (Path(tmp) / "memory" / second).mkdir(parents=True)
+                stop = ["--stop-after", "1"] if second == "1" else []
+                result = run(launch(copy, 2, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
+                             timeout=3600, cwd=Path(tmp), env={"MEMORY": str(Path(tmp) / "memory" / second),
+                                                               "GPT2_CONFIG": config, "OMP_NUM_THREADS": "1",
+                                                               "TOKENS": str(args.tokens)})
+                said.update(line for line in result.stdout.splitlines() if line.startswith("each rank will hold"))
+            m = metrics(Path(tmp) / "out")[0]
             state = (m["params_mb"] + m["grads_mb"] + m["optimizer_mb"]) / 1024
+            found = [notes(Path(tmp) / "memory", rank) for rank in (0, 1)]
             for rank in (0, 1):
-                found = peaks(Path(tmp) / "memory" / str(rank))
-                cells = " | ".join(f"{found[p]:.2f}" if p in found else "-" for p in PHASES)
-                print(f"| {name} | {rank} | {cells} | {state:.2f} | {m['epoch_time_s'] / 2:.1f} |", flush=True)
+                highest = peaks(found[rank])
+                cells = " | ".join(f"{highest[p]:.2f}" if p in highest else "-" for p in PHASES)
+                save = [gib for _, phase, gib in found[rank] if phase == "save"]
+                print(f"| {name} | {rank} | {cells} | {max(save) - save[0]:.2f} | {state:.2f} | "
+                      f"{job_peak(found):.2f} | {m['epoch_time_s'] / 2:.1f} |", flush=True)
+            print(f"{name}: " + "; ".join(sorted(said)))  # the start-up line: what each rank will hold
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics,
+from processes import (EVAL_EVERY, PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics,
                        python, run, run_parallel, start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
@@ -301,11 +301,33 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
                            timeout=300, cwd=tmp_path)
     for result, env in zip(results, runs.values()):
         assert ("cannot build on the meta device" in result.stdout) == bool(env), result.stdout
+        # said before sharding: 124M float32 parameters (the tied head once), half a rank; SGD without momentum
+        assert re.search(r"^each rank will hold 0\.50 GB: parameters 0\.25, gradients 0\.25, sgd state 0\.00; "
+                         r"\d+\.\d GB free for it \(cpu\)$", result.stdout, re.M), result.stdout
     peaks = {name: [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)] for name in runs}
     print(f"peak resident memory before the first step, MiB, ranks 0 and 1: {peaks}")
     once, every = peaks["once"], peaks["every rank"]
     assert once[1] < once[0] - 200 and once[1] < every[1] - 150, peaks  # measured: 300 and 206 below
     assert abs(every[1] - every[0]) < 150, peaks
+
+
+def test_the_phase_table_shows_each_phase_and_a_save_that_adds_little_beside_rank_0():
+    """tests/fsdp_memory.py, which docs/fsdp.md runs by hand on GPT-2 large, on GPT-2 small (124M parameters, 0.46
+    GiB): each rank's peak per phase through a run and its continuation, and the start-up line. The save (the
+    sharded checkpoint; model.pt and hf/ gathered on rank 0) adds the whole model on rank 0, which writes it, and
+    on rank 1 less than half of it: one tensor in flight at a time (measured: 0.17 GiB, with the 147 MiB embedding
+    the largest), nothing kept."""
+    result = run([PYTHON, ROOT / "tests" / "fsdp_memory.py", "--model", "gpt2", "--only", "FSDP"], timeout=600)
+    print(result.stdout)
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| approach")).strip("| ").split(" | ")
+    rows = [dict(zip(header, line.strip("| ").split(" | "))) for line in lines if line.startswith("| FSDP |")]
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    for row in rows:  # every phase measured, above the interpreter's memory
+        assert all(float(row[phase]) > 0.5 for phase in header[2:header.index("save adds")]), row
+    assert float(rows[1]["save adds"]) <= 0.5 * 0.46 and float(rows[0]["save adds"]) >= 0.3, rows
+    assert re.search(r"^FSDP: each rank will hold 1\.00 GB: parameters 0\.25, gradients 0\.25, adamw state 0\.50;",
+                     result.stdout, re.M), result.stdout
 
 
 def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_it(tmp_path):
@@ -359,3 +381,37 @@ def test_a_pytorch_without_fully_shard_is_named_in_one_line(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not {torch.__version__}")
+
+
+YOUR_MODEL_BEYOND_THE_MACHINE = '''
+import os
+
+
+def build_datasets(args):
+    data = [(torch.zeros(4), 0)] * 8
+    return data, data, 2
+
+
+def build_model(args, num_classes):  # a parameter of FLOATS never written to: its pages are never touched
+    return torch.nn.ParameterList([torch.nn.Parameter(torch.empty(int(os.environ["FLOATS"])))])
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+'''
+
+
+def test_a_state_beyond_the_machine_ends_every_rank_in_one_line_before_sharding(tmp_path):
+    """The start-up line says what each rank will hold. A model of 0.6 x the host's available memory (allocated,
+    never touched, so it costs nothing here) with AdamW would need 2.4 x it over 2 processes, where the host has at
+    most 1.6 x (what is available, and the model itself once sharded): every rank ends with one line that says so
+    before any shard exists, not by the out-of-memory killer mid-step."""
+    available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_MODEL_BEYOND_THE_MACHINE)
+    result = run(launch(copy, 2, "--batch-size", "4", "--epochs", "1", "--workers", "0", "--optimizer", "adamw",
+                        "--timeout", "60", "--output-dir", tmp_path / "out"), timeout=120, cwd=tmp_path, check=False,
+                 env={"FLOATS": str(int(0.6 * available / 4))})
+    ends_every_rank_with(result, "error: each rank will hold")
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error: each rank will hold"))
+    assert "it cannot fit: use more processes" in line and "adamw state" in line, line
+    assert not (tmp_path / "out" / "checkpoint").exists()
