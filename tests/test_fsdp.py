@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port, metrics,
-                       python, run, run_parallel, start, steps, torchrun, wait_for, weights)
+from processes import (EVAL_EVERY, PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port,
+                       metrics, python, run, run_parallel, start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
