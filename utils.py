@@ -690,8 +690,12 @@ def check_output_dir(path: Path) -> None:
 
 
 def save_checkpoint(state: dict, path: Path) -> None:  # atomically
-    # into a Python file, not a path: a failed write is an OSError, not a C++ error; no copy in memory
-    write_atomically(path, functools.partial(torch.save, state))
+    def save(file) -> None:  # into a Python file, not a path: no copy in memory, and a failed write is an OSError
+        try:
+            torch.save(state, file)
+        except RuntimeError as e:  # the zip writer's own end of file, failing after the failed write: that is why
+            raise (e.__context__ if isinstance(e.__context__, OSError) else e) from None
+    write_atomically(path, save)
 
 
 def write_atomically(path: Path, data: bytes | Callable) -> None:
