@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 # glibc gives a freed tensor's memory back to the system only where it had pages of its own: from 1 MiB here, not
 # from the 32 MiB the threshold rises to, where a model's many smaller tensors fragment the heap and keep it (GPT-2
-# large under FSDP on CPU processes, measured: 2.3 GiB more a rank at the peak of training)
+# large under FSDP on CPU processes, measured: up to 2.3 GiB more a rank at the peak of training)
 with contextlib.suppress(AttributeError):  # no glibc (macOS): nothing to set
     ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD; set, it no longer rises
 import torch  # noqa: E402
@@ -622,9 +622,11 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
 
 def build_optimizer(params, args) -> torch.optim.Optimizer:
     """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
-    if args.optimizer == "adamw":  # fused: each tensor in one pass, where foreach (the default) makes a temporary
-        # copy of all the weights; float16 keeps foreach: FSDP's gradient scaler checks overflow on all ranks there
-        fused = getattr(args, "amp_dtype", None) != "float16" or None  # (FSDP's shards have no fused SGD)
+    # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of all the weights;
+    # not with float16 (FSDP's gradient scaler checks overflow on all ranks on the foreach path only), nor for SGD
+    # (FSDP's shards have no fused SGD)
+    if args.optimizer == "adamw":
+        fused = getattr(args, "amp_dtype", None) != "float16" or None
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
@@ -689,18 +691,13 @@ def check_output_dir(path: Path) -> None:
     tempfile.TemporaryFile(dir=path).close()
 
 
-def save_checkpoint(state: dict, path: Path) -> None:  # atomically
-    def save(file) -> None:  # into a Python file, not a path: no copy in memory, and a failed write is an OSError
-        try:
-            torch.save(state, file)
-        except RuntimeError as e:  # the zip writer's own end of file, failing after the failed write: that is why
-            raise (e.__context__ if isinstance(e.__context__, OSError) else e) from None
-    write_atomically(path, save)
+def save_checkpoint(state: dict, path: Path) -> None:  # atomically, straight into the file: no copy in memory
+    write_atomically(path, functools.partial(torch.save, state))
 
 
 def write_atomically(path: Path, data: bytes | Callable) -> None:
-    """data, or what write(file) writes, at path: a crash or a full disk mid-write leaves the previous file and no
-    temporary file."""
+    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the previous file and no
+    temporary file; a failed write is an OSError that names path."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -708,9 +705,13 @@ def write_atomically(path: Path, data: bytes | Callable) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None
+        # torch.save's zip writer fails again, at its end of file, after a failed write: that write's error is why
+        error = e.__context__ if isinstance(e, RuntimeError) else e
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from None
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
