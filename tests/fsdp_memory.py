@@ -1,6 +1,6 @@
-"""Host memory per rank and phase of a GPT-2 trained on 2 CPU processes, by hand (it needs the machine's memory and
-minutes, so it is not in CI): each approach's run is the scripts as a user runs them, with the user's code noting the
-resident memory of its process every 50 ms and the phase it is in.
+"""Host memory per rank and phase of a GPT-2 trained on 2 CPU processes: each approach's run is the scripts as a user
+runs them, with the user's code noting the resident memory of its process every 50 ms and the phase it is in. GPT-2
+large needs the machine's memory and minutes, so it runs by hand; tests/test_fsdp.py runs FSDP on GPT-2 small.
 
     python tests/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
     python tests/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
@@ -146,7 +146,8 @@ def main() -> None:
                 save = [gib for _, phase, gib in found[rank] if phase == "save"]
                 print(f"| {name} | {rank} | {cells} | {max(save) - save[0]:.2f} | {state:.2f} | "
                       f"{job_peak(found):.2f} | {m['epoch_time_s'] / 2:.1f} |", flush=True)
-            print(f"{name}: " + "; ".join(sorted(said)))  # the start-up line: what each rank will hold
+            if said:  # FSDP's start-up line: what each rank will hold
+                print(f"{name}: " + "; ".join(sorted(said)))
 
 
 if __name__ == "__main__":
