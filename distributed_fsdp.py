@@ -14,6 +14,7 @@ continue from it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -240,7 +241,7 @@ def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMes
 
 
 def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
-                    stop, save, records) -> dict:
+                    stop, save, records, ema) -> dict:
     model.train()
     meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
@@ -261,13 +262,14 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epo
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # a DTensor
         scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.update()
+        ema.update()  # --ema: the average of each rank's own shards moves toward them
         optimizer.zero_grad(set_to_none=True)  # freed now: the next forward, validation and saves need no gradients
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())  # all shards' norm
         if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
-            records.add(epoch, step, evaluate(model, val_loader, args, device))
+            records.add(epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device)))
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step, final=bool(signum))  # this point of the epoch: the same command continues from here
@@ -411,8 +413,8 @@ def main():
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
     scaler = ShardedGradScaler(device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16)
-    metrics_path = output_dir / "metrics.jsonl"
-    # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
+    ema = utils.EMA(model, args.ema)  # --ema: a moving average of this rank's shards, validated and saved beside them
+    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq steps
     records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def training_state() -> dict:
@@ -421,23 +423,29 @@ def main():
         of its own."""
         optimizer_state = {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
         return {"model": get_model_state_dict(module), **optimizer_state, "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "records": records.state_dict(), "arch": args.arch,
-                "optimizer_name": args.optimizer, "epoch": 0, "step": 0, "seed": args.seed, **utils.rng_states()}
+                "scaler": scaler.state_dict(), "records": records.state_dict(), "ema": ema.state_dict(),
+                "arch": args.arch, "optimizer_name": args.optimizer, "epoch": 0, "step": 0, "seed": args.seed,
+                **utils.rng_states()}
 
     def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
         """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every rank."""
         with utils.errors_shared_by_all_ranks():  # agreed before the sharded save, a collective, begins
             utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
             if rank == 0 and record:  # first: a crash before the checkpoint is written redoes the epoch
-                utils.append_metrics(metrics_path, record)
+                records.epoch(record)  # metrics.jsonl (and W&B)
         with utils.errors_shared_by_all_ranks():
             save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
-        if final:  # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
-            weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            with utils.errors_shared_by_all_ranks():
-                if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
-                    utils.save_checkpoint(weights, output_dir / "model.pt")
-                    utils.save_pretrained(module, output_dir / "hf", weights)
+        for name in ["model", "model_ema"][:1 + bool(args.ema)] if final else []:  # --ema: the average's twin
+            # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
+            # written while swapped in: one process's "gathered" weights are the model's own tensors
+            with ema.swapped() if name == "model_ema" else contextlib.nullcontext():
+                weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                with utils.errors_shared_by_all_ranks():
+                    if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
+                        utils.save_checkpoint(weights, output_dir / f"{name}.pt")
+                        if name == "model":
+                            utils.save_pretrained(module, output_dir / "hf", weights)
+            del weights  # before the twin's: one whole copy at a time
 
     path = latest_checkpoint(checkpoint_dir, rank)
     start_epoch, first_step = 0, 0
@@ -447,7 +455,7 @@ def main():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
         start_epoch, first_step = utils.restore(state, path, args, scheduler=scheduler, scaler=scaler,
-                                               records=records)
+                                               records=records, ema=ema)
     with utils.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
@@ -458,9 +466,9 @@ def main():
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.epoch_loader(train_loader, first_step)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch, first_step, args,
-                                 device, stop, save, records)
+                                 device, stop, save, records, ema)
         first_step = 0
-        validation = evaluate(model, val_loader, args, device)
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))  # --ema: the average's too
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,

@@ -138,7 +138,7 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
 
 
 def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
-                    stop, save, records) -> dict:
+                    stop, save, records, ema) -> dict:
     model.train()
     meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
     k = args.accum_steps
@@ -168,12 +168,13 @@ def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int,
         if args.clip_grad or recording:  # the gradients' norm before clipping (all ranks hold the same gradients)
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
         optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
+        ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         optimizer.zero_grad(set_to_none=True)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
         if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
-            records.add(epoch, step, evaluate(model, val_loader, args, device))
+            records.add(epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device)))
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
@@ -253,9 +254,9 @@ def main():
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
+    ema = utils.EMA(model, args.ema)  # --ema: a moving average of the weights, validated and saved beside them
     checkpoint_path = output_dir / "checkpoint.pt"
-    metrics_path = output_dir / "metrics.jsonl"
-    # steps.jsonl (and TensorBoard) on rank 0: the numbers of every rank, every --print-freq steps
+    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq steps
     records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
@@ -266,19 +267,22 @@ def main():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
-                    utils.append_metrics(metrics_path, record)
+                    records.epoch(record)  # metrics.jsonl (and W&B)
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                                       "scheduler": scheduler.state_dict(),
+                                       "scheduler": scheduler.state_dict(), "ema": ema.state_dict(),
                                        "records": progress, "epoch": epoch, "step": step, "arch": args.arch,
                                        "optimizer_name": args.optimizer, "seed": args.seed,
                                        **utils.rng_states()},
                                       checkpoint_path)
+                if args.ema:  # and the average alone, with plain keys
+                    with ema.swapped():
+                        utils.save_checkpoint(utils.unwrap(model).state_dict(), output_dir / "model_ema.pt")
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
         start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
-                                                optimizer=optimizer, scheduler=scheduler, records=records)
+                                                optimizer=optimizer, scheduler=scheduler, records=records, ema=ema)
     with utils.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
@@ -289,9 +293,9 @@ def main():
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.epoch_loader(train_loader, first_step * args.accum_steps)
         record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
-                                 device, stop, save, records)
+                                 device, stop, save, records, ema)
         first_step = 0
-        validation = evaluate(model, val_loader, args, device)
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))  # --ema: the average's too
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(epoch=epoch + 1, **record, **validation,
                       lr=optimizer.param_groups[0]["lr"], world_size=world_size,

@@ -71,6 +71,8 @@ def build_parser(description: str) -> ArgumentParser:
     add("--print-freq", type=int, default=50, help="a progress line and a record in steps.jsonl every N steps")
     add("--eval-every", type=int, default=None, metavar="N", help="also validate every N steps (default: epoch ends)")
     add("--tensorboard", action="store_true", help="rank 0 also writes steps.jsonl's records to OUTPUT_DIR/tensorboard")
+    add("--wandb", default=None, metavar="PROJECT", help="rank 0 also logs the records to a Weights & Biases run")
+    add("--ema", type=float, metavar="DECAY", help="also validate and save a moving average of the weights (0.999)")
     add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
     add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
     add("--dist-url", default=None, help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)")
@@ -94,11 +96,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.workers or 0, args.seed) < 0 or min(args.timeout, args.clip_grad or 1) <= 0 or not 0 <= args.warmup < 1:
         raise UsageError("--workers and --seed must be >= 0, --timeout and --clip-grad > 0, --warmup in [0, 1)")
+    if not 0 <= (args.ema or 0) < 1:
+        raise UsageError(f"--ema {args.ema:g} is not in [0, 1): the average spans about 1 / (1 - DECAY) steps")
     args.compile = args.compile or args.compile_mode is not None
-    try:  # before any data or model is built
-        args.tensorboard and importlib.import_module("torch.utils.tensorboard")  # imports the tensorboard package
-    except ImportError:
-        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    for flag, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
+        try:  # before any data or model is built
+            getattr(args, flag) and importlib.import_module(module)  # torch.utils.tensorboard imports tensorboard
+        except ImportError:
+            raise UsageError(f"--{flag} needs the {flag} package: pip install {flag}") from None
     adamw = args.optimizer == "adamw"  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples
     args.lr = (1e-3 if adamw else 0.1 * args.batch_size / 256) if args.lr is None else args.lr
     args.weight_decay = (0.01 if adamw else 5e-4) if args.weight_decay is None else args.weight_decay
@@ -142,6 +147,8 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
             raise
         status = f"error: distributed communication failed: {first_line(e)}"
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
+        if (wandb := sys.modules.get("wandb")) and wandb.run:  # its records on disk before os._exit below
+            wandb.finish(exit_code=int(status != 0))
         gc.collect()  # free them and their process groups while the interpreter is whole
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -467,33 +474,43 @@ class Meter:
 
 
 class StepRecords:
-    """steps.jsonl (and TensorBoard) by rank 0: all ranks' numbers every few steps; continued, as if never stopped."""
+    """steps.jsonl (TensorBoard, W&B) by rank 0: all ranks' numbers every few steps; continued, as if never stopped."""
 
     def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int):
         self.path, self.args, self.rank, self.steps_per_epoch = output_dir / "steps.jsonl", args, rank, steps_per_epoch
-        # what a checkpoint holds (its shape: a sharded checkpoint loads into it)
-        self.meter, self.writer, self.saved = None, None, {key: torch.zeros(5).double() for key in ("sums", "recorded")}
+        # what a checkpoint holds (its shape: a sharded checkpoint loads into it); a W&B run id alike on every rank
+        self.saved = {"sums": torch.zeros(5).double(), "recorded": torch.zeros(5).double(),
+                      "wandb_id": gathered(uuid.uuid4().hex[:12])[0]}
+        self.meter, self.writer, self.wandb, self.logged = None, None, None, {}
 
     def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
         self.meter = Meter(device, self.saved if first_step else None, self.rank)
         return self.meter
 
     def state_dict(self) -> dict:  # the epoch's sums for a checkpoint, over all ranks: a collective
-        return {"sums": self.meter.reduced(), "recorded": self.meter.recorded} if self.meter else self.saved
+        progress = {"sums": self.meter.reduced(), "recorded": self.meter.recorded} if self.meter else {}
+        return {**self.saved, **progress}
 
     def load_state_dict(self, state: dict) -> None:
         self.saved = state
 
     def start(self, epoch: int, step: int) -> None:
-        """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest."""
-        last = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}
+        """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest, and
+        W&B, which cannot, continues the same run after what it got before a stop (each step once: the same values)."""
+        last, self.logged = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}, {}
         for path, key in ((self.path.with_name("metrics.jsonl"), "epoch"), (self.path, "global_step")):
             lines = list(filter(None, path.read_text().splitlines())) if path.exists() else []  # no blank line
+            self.logged[key] = max([json.loads(line)[key] for line in lines], default=0)
             if (kept := [line for line in lines if json.loads(line)[key] <= last[key]]) != lines:
                 write_atomically(path, "".join(f"{line}\n" for line in kept).encode())  # a full disk loses none
         if self.args.tensorboard:  # imported only when asked for
             tb = importlib.import_module("torch.utils.tensorboard")
             self.writer = tb.SummaryWriter(self.path.with_name("tensorboard"), purge_step=last["global_step"] + 1)
+        if self.args.wandb:  # every record a row at once, plotted against its global_step (not W&B's own count)
+            wandb = importlib.import_module("wandb")
+            self.wandb = wandb.init(project=self.args.wandb, id=self.saved["wandb_id"], resume="allow",
+                                    config=vars(self.args), dir=self.path.parent)
+            self.wandb.define_metric("*", step_metric="global_step")
 
     def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor) -> None:
         """A training record (a collective: every rank calls it at the same step); a diverged run stops here."""
@@ -510,20 +527,33 @@ class StepRecords:
         with errors_shared_by_all_ranks():  # a full disk ends every rank with one line
             if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
                 append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
+                self.to_wandb(values, global_step, "global_step", global_step)
             if self.writer:  # rank 0's curves: each value at its global step
                 for key in [key for key, value in values.items() if value is not None]:
                     self.writer.add_scalar(key, values[key], global_step)
                 self.writer.flush()  # on disk before a later checkpoint: a kill loses no point the checkpoint keeps
 
 
+    def epoch(self, record: dict) -> None:
+        """On rank 0: the epoch's line in metrics.jsonl, whole or not at all, and in W&B at the epoch's last step."""
+        append_metrics(self.path.with_name("metrics.jsonl"), record)
+        self.to_wandb({f"epoch/{key}": value for key, value in record.items()}, record["epoch"] * self.steps_per_epoch,
+                      "epoch", record["epoch"])
+
+    def to_wandb(self, values: dict, global_step: int, key: str, position: int) -> None:
+        if self.wandb and position > self.logged[key]:  # not what W&B got before a stop
+            self.wandb.log({"global_step": global_step, **{k: v for k, v in values.items() if v is not None}})
+
+
 def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default); losses and accuracies
-    return " ".join(f"{k} {record[k]:.4{'f' if k.endswith(('loss', 'acc')) else 'g'}}" for k in keys or record
-                    if record[k] is not None)  # to 4 decimals, the rest to 4 digits
+    return " ".join(f"{k} {record[k]:.4{'f' if re.search('(loss|acc)(_ema)?$', k) else 'g'}}" for k in keys or record
+                    if record.get(k) is not None)  # to 4 decimals, the rest to 4 digits
 
 
 def log_epoch(record: dict, epochs: int) -> None:
-    log.info(f"epoch {record['epoch']}/{epochs} {numbers(record, 'train_loss', 'train_acc', 'val_loss', 'val_acc')} "
-             f"time {record['epoch_time_s']:.1f}s {record['images_per_s']:.0f} img/s")
+    shown = numbers(record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
+    log.info(f"epoch {record['epoch']}/{epochs} {shown} time {record['epoch_time_s']:.1f}s "
+             f"{record['images_per_s']:.0f} img/s")
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
@@ -618,7 +648,7 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
                 optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
 
 
-# ------------------------------------------------- checkpoints and metrics ----
+# ------------------------------------- optimizer, schedule, weight average ----
 
 def build_optimizer(params, args) -> torch.optim.Optimizer:
     """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
@@ -637,6 +667,62 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float) -
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / rise if step < rise else
                                              0.5 * (1 + math.cos(math.pi * (step - rise) / max(1, steps - rise))))
 
+
+class EMA:
+    """--ema DECAY: a moving average of the weights and buffers, updated after each optimizer step on every rank
+    (under FSDP each its own shards), validated and saved beside them. Its decay is min(DECAY, (1 + n) / (10 + n))
+    at update n (TensorFlow's num_updates): the first weights fade fast. Without --ema it does nothing."""
+
+    def __init__(self, model: nn.Module, decay: float | None):
+        self.model, self.decay, self.updates = unwrap(model), decay, 0
+        self.average = {name: t.detach().clone() for name, t in self.named().items()} if decay is not None else {}
+
+    def named(self) -> dict[str, torch.Tensor]:  # by plain name (no DDP "module."), each once (a tied head is one)
+        return dict([*self.model.named_parameters(), *self.model.named_buffers()])
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:  # (average, weight): this rank's part of each
+        named = self.named()
+        return [(local(average), local(named[name]).detach()) for name, average in self.average.items()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        weight = 1 - min(self.decay or 0, (1 + self.updates) / (10 + self.updates))
+        for average, live in self.pairs():  # integers (batch-norm's count) as they are
+            average.lerp_(live, weight) if average.is_floating_point() else average.copy_(live)
+
+    @contextlib.contextmanager
+    def swapped(self):  # the model holds the average within, then its own weights again, bit for bit
+        self.swap()
+        yield  # an error in it ends the run: no step is ever taken on the average
+        self.swap()
+
+    @torch.no_grad()
+    def swap(self) -> None:  # a tensor at a time: no second copy of the model
+        for average, live in self.pairs():
+            kept = live.clone()
+            live.copy_(average)
+            average.copy_(kept)
+
+    def evaluated(self, evaluate: Callable[[], dict]) -> dict:  # evaluate()'s record; with --ema the average's too
+        record = evaluate()
+        if self.average:
+            with self.swapped():
+                record.update({f"{key}_ema": value for key, value in evaluate().items() if key != "val_images"})
+        return record
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "average": self.average}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["average"].keys() != self.average.keys():
+            raise ValueError("its --ema is not this run's")
+        # a sharded checkpoint has loaded into the average itself; checkpoint.pt's tensors go to its device
+        self.updates, self.average = state["updates"], {name: tensor.to(self.average[name].device)
+                                                         for name, tensor in state["average"].items()}
+
+
+# ---------------------------------------------- stops, checkpoints and metrics ----
 
 class StopSignal:
     """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks agree on steps."""

@@ -35,6 +35,7 @@ from test_your_own_data import copy_with_your_functions  # noqa: E402
 
 TEXTBOOK = "textbook loop: PIL transforms per image"
 BLOCKING = "DDP, 2 processes, per-step agreement blocking"
+EMA = "DDP, 2 processes + moving average (--ema 0.99)"
 STREAM = "stream of 8 shards, 2 processes x 2 workers"
 MAP, COLLATE = "decoded in its own map", "decoded in collate"
 # the last commit whose scripts split a stream in every rank and worker (GlobalBatches), for the stream row's "before"
@@ -121,6 +122,7 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
             Case("DDP, 2 processes", "distributed.py", 2),
             Case(BLOCKING, "distributed.py", 2, blocking=True),
+            Case(EMA, "distributed.py", 2, ["--ema", "0.99"]),
             Case(TEXTBOOK, "tests/textbook.py", 2),
             Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
             Case("DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"),
@@ -143,6 +145,7 @@ def cases(quick: bool, gpus: int) -> list[Case]:
         Case("DDP fp32", "distributed.py", n),
         Case("DDP fp32 + channels_last", "distributed.py", n, cl),
         Case("DDP fp32, per-step agreement blocking", "distributed.py", n, blocking=True),
+        Case("DDP fp32 + EMA 0.999", "distributed.py", n, ["--ema", "0.999"]),
         Case("DDP by mp.spawn fp32", "distributed_mp.py", n, ["--nproc", str(n)], "python"),
         Case("DDP + AMP float16", "distributed_amp.py", n, ["--amp-dtype", "float16"]),
         Case("DDP + AMP bfloat16", "distributed_amp.py", n, ["--amp-dtype", "bfloat16"]),
@@ -245,7 +248,7 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
                 best=max(max(r) for r in rates), tflops=last.get("tflops"),
                 state_mb=(sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
                           if "params_mb" in last else None),
-                peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"],
+                peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"], val_acc_ema=last.get("val_acc_ema"),
                 decodes=statistics.median(p[0][-1].get("decodes_per_sample", 0) for p in runs),
                 data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
                                           for processes in runs for m in processes[0][1:]))
@@ -311,6 +314,7 @@ def cpu_ratios(results: dict[str, dict]) -> str:
         f"time per image against the same training without DDP (goal <= 3%)",
         f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
         agreement_ratio(results),
+        ema_ratio(results, EMA, "DDP, 2 processes"),
         stream_ratio(results),
         f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
         fsdp_ratio(results, "FSDP, 2 processes", "DDP, 2 processes"),
@@ -323,6 +327,14 @@ def agreement_ratio(results: dict[str, dict]) -> str:
     a, b = results["DDP, 2 processes"], results[BLOCKING]
     return (f"- per-step agreement (stop signal, next batch): overlapped with the step / blocking = "
             f"{a['best'] / b['best']:.2f}x images/s (median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
+
+
+def ema_ratio(results: dict[str, dict], ema: str, plain: str) -> str:
+    """What the moving average of the weights costs a step (its update; its validation is outside the epoch's time),
+    and its validation accuracy beside the weights' own."""
+    a, b = results[ema], results[plain]
+    return (f"- moving average (--ema): {100 * (b['best'] / a['best'] - 1):+.1f}% time per image against the same "
+            f"run without; val acc {a['val_acc_ema']:.3f} averaged, {a['val_acc']:.3f} trained")
 
 
 def stream_ratio(results: dict[str, dict]) -> str:
@@ -400,14 +412,20 @@ def main() -> None:
     print(table([(c, results[c.name]) for c in selected], args.batch_size))
     if args.quick and args.only is None:
         print("\n" + cpu_ratios(results))
-    elif {"DDP, 2 processes", BLOCKING} <= results.keys():  # --only "DDP, 2 proc"
-        print("\n" + agreement_ratio(results))
+    elif "DDP, 2 processes" in results and results.keys() & {BLOCKING, EMA}:  # --only "DDP, 2 proc"
+        print()
+        if BLOCKING in results:
+            print(agreement_ratio(results))
+        if EMA in results:
+            print(ema_ratio(results, EMA, "DDP, 2 processes"))
     elif sum(name.startswith(STREAM) for name in results) == 3:  # --only stream
         print("\n" + stream_ratio(results))
     elif any(name.startswith(TEXTBOOK) for name in results) and len(results) > 1:
         print("\n" + textbook_ratio(results, "DDP + AMP float16"))
         if {"FSDP fp32", "DDP fp32"} <= results.keys():
             print(fsdp_ratio(results, "FSDP fp32", "DDP fp32"))
+        if {"DDP fp32 + EMA 0.999", "DDP fp32"} <= results.keys():
+            print(ema_ratio(results, "DDP fp32 + EMA 0.999", "DDP fp32"))
     print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {shlex.join(sys.argv[1:])}")
     if args.chart:
         Path(args.chart).write_text(chart([(c, results[c.name]) for c in selected],

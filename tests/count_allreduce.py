@@ -35,7 +35,7 @@ def main():
     scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
     records = utils.StepRecords(Path(args.output_dir), args, rank, len(loader) // args.accum_steps)
     script.train_one_epoch(model, loader, val_loader, optimizer, scheduler, 0, 0, args, device, utils.StopSignal(),
-                           None, records)
+                           None, records, utils.EMA(model, args.ema))
     if rank == 0:
         print(json.dumps({"micro_batches": len(loader), "all_reduces": len(all_reduces),
                           "optimizer_steps": len(optimizer_steps)}))

@@ -89,21 +89,23 @@ def test_the_readme_main_job_learns(tmp_path):
     result = run(readme_main_job(tmp_path), timeout=300)
     assert "world size 2" in result.stdout
     final = metrics(tmp_path)[-1]
-    assert final["val_acc"] >= 0.9, final  # ten classes: chance is 0.1
+    assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, final  # ten classes: chance is 0.1
 
 
 def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
+    """2 processes stop after 2 epochs; 1 process continues the third: the weights and their moving average equal
+    an uninterrupted run's (1e-5: another number of processes; the same number continues to 1e-6 in
+    test_preemption.py and test_records.py)."""
     out = tmp_path / "run"
-    first = run(python("distributed.py", *TINY, "--no-augment", "--stop-after", "2",
-                       "--output-dir", out))
+    first = run(torchrun(2, "distributed.py", *TINY, "--no-augment", "--stop-after", "2", "--output-dir", out))
     assert "continuing" not in first.stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
     second = run(python("distributed.py", *TINY, "--no-augment", "--output-dir", out))
     assert "continuing from" in second.stdout and "2 of 3 epochs done" in second.stdout
-    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-    assert max_weight_difference(out, reference["one"]) <= 1e-6
-    assert metrics(out)[-1]["val_loss"] == pytest.approx(metrics(reference["one"])[-1]["val_loss"],
-                                                         abs=1e-6)
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3] and metrics(out)[-1]["world_size"] == 1
+    assert max_weight_difference(out, reference["one"]) <= 1e-5
+    for key in ("val_loss", "val_loss_ema"):
+        assert metrics(out)[-1][key] == pytest.approx(metrics(reference["one"])[-1][key], abs=1e-5)
 
 
 def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):

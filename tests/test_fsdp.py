@@ -14,7 +14,8 @@ import torch
 
 import builtin
 from processes import (EVAL_EVERY, PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port,
-                       metrics, python, run, run_parallel, start, steps, torchrun, wait_for, weights)
+                       max_weight_difference, metrics, python, run, run_parallel, start, steps, torchrun, wait_for,
+                       weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
@@ -38,7 +39,7 @@ def fsdp(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
-    d = difference(weights(fsdp["two"]), weights(reference["one"]))
+    d = max_weight_difference(fsdp["two"], reference["one"])
     print(f"FSDP, 2 processes vs distributed.py, 1 process: max weight difference {d:.1e}")
     assert d <= 1e-5
     for a, b in zip(metrics(fsdp["two"]), metrics(reference["one"])):
@@ -63,7 +64,7 @@ def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
 def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     out = fsdp["two then one"]
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 1]
-    d = difference(weights(out), weights(fsdp["two"]))
+    d = max_weight_difference(out, fsdp["two"])
     print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
     assert d <= 1e-5
     assert_same_records(steps(out), steps(fsdp["two"]), tolerance=1e-5)
@@ -98,7 +99,7 @@ def test_sigterm_mid_epoch_continues_exactly(tmp_path):
     assert (out / "model.pt").exists()  # the whole weights, also when stopped
     second = run_parallel(by_hand(out, free_port()))
     assert "0 of 1 epochs done and" in second[0].stdout
-    d = difference(weights(out), weights(tmp_path / "straight"))
+    d = max_weight_difference(out, tmp_path / "straight")
     print(f"continued after SIGTERM vs straight: max weight difference {d:.1e}")
     assert d <= 1e-6
     # records every 10 steps, checkpoints every 5: the sharded checkpoint keeps the sums the next record needs
@@ -160,7 +161,7 @@ def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     run_parallel([(launch(copy, 2, *flags, "--output-dir", out), {}),
                   (launch(copy, 2, *flags, "--activation-checkpointing", "--output-dir", tmp_path / "recomputed"), {})],
                  cwd=tmp_path)
-    assert difference(weights(tmp_path / "recomputed"), weights(out)) <= 1e-6
+    assert max_weight_difference(tmp_path / "recomputed", out) <= 1e-6
     losses = [m["val_loss"] for m in metrics(out)]
     print(f"GPT-2 under FSDP, 2 processes: validation loss per token by epoch {losses}")
     # an untrained model's loss is about ln 64 = 4.16 a token; the ideal, about 0.4 (a sequence's first two tokens)
@@ -219,12 +220,12 @@ def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weigh
     results = run_parallel([(torchrun(2, script, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),
                              {"FORWARDS": str(tmp_path / f"{name}.forwards")})
                             for name, (script, flags) in runs.items()])
-    assert difference(weights(tmp_path / "plain"), weights(tmp_path / "ddp")) <= 1e-5
+    assert max_weight_difference(tmp_path / "plain", tmp_path / "ddp") <= 1e-5
     del runs["ddp"]
     forwards = {name: int((tmp_path / f"{name}.forwards").read_text()) for name in runs}
     assert forwards == {"plain": 1 + 2 * 32, "recomputed": 2 * (1 + 2 * 32)}, forwards  # the start-up step's too
     assert "--cpu-offload: on CPU processes the state is in host memory already" in results[1].stdout
-    assert difference(weights(tmp_path / "recomputed"), weights(tmp_path / "plain")) <= 1e-6
+    assert max_weight_difference(tmp_path / "recomputed", tmp_path / "plain") <= 1e-6
     assert list(weights(tmp_path / "recomputed")) == ["1.0.weight", "1.0.bias", "2.0.weight", "2.0.bias", "3.weight",
                                                      "3.bias"]
 
@@ -238,7 +239,7 @@ def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(r
                                 (torchrun(4, "distributed_fsdp.py", *hybrid, "--stop-after", "2", "--output-dir",
                                           tmp_path / "stopped"), {})], timeout=300)
     assert "2 x 2 shards" in straight.stdout
-    assert difference(weights(tmp_path / "four"), weights(reference["one"])) <= 1e-5
+    assert max_weight_difference(tmp_path / "four", reference["one"]) <= 1e-5
     assert_same_records(steps(tmp_path / "four"), steps(reference["one"]), tolerance=1e-5)
     for name in ("on-two", "on-one"):
         shutil.copytree(tmp_path / "stopped", tmp_path / name)
@@ -247,7 +248,7 @@ def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(r
                  timeout=300)
     for name in ("on-two", "on-one"):
         assert [m["world_size"] for m in metrics(tmp_path / name)] == [4, 4, 2 if name == "on-two" else 1]
-        assert difference(weights(tmp_path / name), weights(tmp_path / "four")) <= 1e-5
+        assert max_weight_difference(tmp_path / name, tmp_path / "four") <= 1e-5
 
 
 YOUR_GPT2_SMALL = '''
@@ -363,7 +364,7 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint
     second = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out))
     assert "continuing from" in second.stdout and "1 of 3 epochs done" in second.stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
-    assert difference(weights(out), weights(fsdp["two"])) <= 1e-6
+    assert max_weight_difference(out, fsdp["two"]) <= 1e-6
 
 
 def test_flags_of_ddp_end_in_one_line(tmp_path):

@@ -94,12 +94,12 @@ def test_save_every_bounds_what_a_sigkill_loses(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MB file system of its own (tmpfs), so that it can be filled up."""
+    """A 2 MB file system of its own (tmpfs), so that it can be filled up."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small tmpfs")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mount_point],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", mount_point],
                       capture_output=True, timeout=30).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
@@ -123,14 +123,15 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
     args = [*TINY, "--no-augment", "--print-freq", "1"]  # the reference job, a record of about 230 bytes a step
     out = small_disk / "run"
     run(torchrun(2, "distributed.py", *args, "--stop-after", "1", "--output-dir", out))
-    # the records fit in 64 KB, the checkpoint's 287 KB do not (epoch 2's metrics line is written before it)
+    # the records fit in 64 KB, the checkpoint's 427 KB do not (epoch 2's metrics line is written before it)
     for unwritten, leave, epochs in (("steps.jsonl", 0, [1]), ("checkpoint.pt", 64 * 1024, [1, 2])):
         filler = fill(small_disk, leave=leave)
         failed = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
         ends_every_rank_with(failed, f"error: cannot write {out / unwritten}: No space left on device: free space "
                                      f"or use another --output-dir")
         assert "enforce fail" not in failed.stderr
-        assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "steps.jsonl"]
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "model_ema.pt",
+                                                         "steps.jsonl"]
         assert saved_position(out) == (1, 0) and [m["epoch"] for m in metrics(out)] == epochs  # the last, whole
         assert steps(out)[-1]["global_step"] > 32  # every line whole: records of epoch 2, up to the full disk
         filler.unlink()

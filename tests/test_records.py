@@ -1,7 +1,11 @@
-"""Watching a long run: steps.jsonl and TensorBoard every few steps, unbroken by a crash between two checkpoints,
-and one line where the tensorboard package is missing. (Records of 2 processes equal those of 1 in
+"""Watching a long run: steps.jsonl, TensorBoard and Weights & Biases every few steps, unbroken by a crash between two
+checkpoints, and one line where the tensorboard or wandb package is missing. (Records of 2 processes equal those of 1 in
 test_distributed.py, of accumulated micro-batches in test_techniques.py, of a token loss in test_text_and_lists.py.)"""
 from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").
     """def build_model(args, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))""", """\
 import signal
+import time
 
 
 class KilledAt(nn.Sequential):
@@ -22,6 +27,7 @@ class KilledAt(nn.Sequential):
     def forward(self, x):
         self.forwards += self.training
         if self.forwards == int(os.environ.get("KILL_AT_FORWARD", 0)):
+            time.sleep(1)  # what W&B got is in its file: written every WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL s
             os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)
 
@@ -31,8 +37,13 @@ def build_model(args, num_classes):  # dropout: the checkpoint keeps the random 
 
 # 62 steps an epoch; in epoch 2, a checkpoint at step 25 (global step 87), then training records at 28 and 35 and a
 # validation at 30 (global 90, 97, 92); the kill comes in step 38: what followed the checkpoint is written again
-WATCHED = [*COMMON, "--save-every", "25", "--print-freq", "7", "--eval-every", "15", "--tensorboard"]
+# W&B offline (the tests reach no network): each run of the command writes OUTPUT_DIR/wandb/offline-run-*/; the
+# moving average of the weights continues exactly too
+WATCHED = [*COMMON, "--save-every", "25", "--print-freq", "7", "--eval-every", "15", "--tensorboard",
+           "--wandb", "ddp-scripts-tests", "--ema", "0.5"]
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL": "0.1"}
 KILL_IN_EPOCH_2_STEP_38 = str(1 + 62 + 38)  # the start-up check's forward, epoch 1, then epoch 2's
+STEPS = 62
 
 
 def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
@@ -54,18 +65,70 @@ def assert_tensorboard_equals_the_records(output_dir) -> None:
         assert [value for _, value in points] == pytest.approx([value for _, value in wanted], rel=1e-6), tag
 
 
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's run-ID.wandb (wandb ships no reader): LevelDB's log format, a 7-byte file
+    header, then blocks of 32 KiB, each record in chunks behind a 7-byte header (CRC, length, type: 1 whole, 2 first,
+    3 middle, 4 last); a block's last 6 bytes or fewer are padding."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    data, position, chunks, records = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B", data[:7]
+    while position + 7 <= len(data):
+        if (left := 32768 - position % 32768) < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        chunks, position = chunks + data[position + 7:position + 7 + length], position + 7 + length
+        if kind in (1, 4):
+            records.append(Record.FromString(chunks))
+            chunks = b""
+    return records
+
+
+def wandb_runs(output_dir: Path) -> list[tuple[str, list[dict]]]:
+    """Each offline run's (id, history rows), oldest first; a row without W&B's own _step, _runtime, _timestamp."""
+    runs = []
+    for path in sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        records = wandb_records(path)
+        run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
+        items = [[(item.key or "/".join(item.nested_key), json.loads(item.value_json)) for item in r.history.item]
+                 for r in records if r.WhichOneof("record_type") == "history"]  # a key with "/" comes as its parts
+        rows = [{key: value for key, value in row if not key.startswith("_")} for row in items]
+        runs.append((run_id, rows))
+    return runs
+
+
+def assert_wandb_equals_the_records(output_dir: Path, runs: int) -> None:
+    """W&B holds one run, continued by each run of the command: its rows are the records of steps.jsonl, each once
+    and in order, and after each epoch's last validation that epoch's line of metrics.jsonl (under epoch/)."""
+    found = wandb_runs(output_dir)
+    assert len(found) == runs and len({run_id for run_id, _ in found}) == 1, found
+    expected, epochs = [], metrics(output_dir)
+    for record in steps(output_dir):
+        expected.append({key: value for key, value in record.items() if key not in ("epoch", "step")})
+        if "val_loss" in record and record["step"] == STEPS:
+            epoch = epochs[record["epoch"] - 1]
+            expected.append({"global_step": record["global_step"], **{f"epoch/{key}": value for key, value in
+                                                                       epoch.items()}})
+    expected = [{key: value for key, value in row.items() if value is not None} for row in expected]
+    rows = [row for _, run_rows in found for row in run_rows]
+    assert [sorted(row) for row in rows] == [sorted(row) for row in expected]
+    for row, wanted in zip(rows, expected):  # the killed run's measured speed and memory where W&B got them first
+        learned = {key for key in wanted if key.removeprefix("epoch/") not in MEASURED}
+        assert {k: row[k] for k in learned} == pytest.approx({k: wanted[k] for k in learned}, rel=1e-6), row
+
+
 def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path):
     """2 processes with dropout, killed between two --save-every checkpoints and continued by the same command: the
     records after the checkpoint are written again, once; the first record after it, which spans it, equals the
     straight run's too (the checkpoint keeps its sums); and TensorBoard purges what the continued run rewrites."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", KILLED_AT_A_KNOWN_STEP)
-    run(launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), cwd=tmp_path)
+    run(launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), cwd=tmp_path, env=OFFLINE)
     out = tmp_path / "killed"
-    killed = run(launch(copy, 2, *WATCHED, "--output-dir", out), env={"KILL_AT_FORWARD": KILL_IN_EPOCH_2_STEP_38},
-                 cwd=tmp_path, check=False)
+    killed = run(launch(copy, 2, *WATCHED, "--output-dir", out), env={"KILL_AT_FORWARD": KILL_IN_EPOCH_2_STEP_38,
+                                                                       **OFFLINE}, cwd=tmp_path, check=False)
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.stderr, killed.stderr
     assert [r["global_step"] for r in steps(out)][-5:] == [77, 83, 90, 92, 97]  # the checkpoint's: 62 + 25 = 87
-    continued = run(launch(copy, 2, *WATCHED, "--output-dir", out), cwd=tmp_path)
+    continued = run(launch(copy, 2, *WATCHED, "--output-dir", out), cwd=tmp_path, env=OFFLINE)
     assert "1 of 3 epochs done and 25 steps of the next" in continued.stdout
     assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)
     assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
@@ -73,22 +136,28 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
     for run_dir in (tmp_path / "straight", out):
         assert_tensorboard_equals_the_records(run_dir)
     assert len(list((out / "tensorboard").iterdir())) == 2  # one event file a run; the reader purges the first's
+    assert_wandb_equals_the_records(tmp_path / "straight", runs=1)
+    assert_wandb_equals_the_records(out, runs=2)  # the same run, continued after what the killed one had logged
+    assert metrics(out)[-1]["val_acc_ema"] > 0.9
     print("the continued run rewrote global steps 90, 92 and 97 once; records, weights and TensorBoard equal "
           f"the straight run's (measured keys {sorted(MEASURED & steps(out)[-2].keys())} aside)")
 
 
-def test_tensorboard_without_its_package_ends_every_rank_with_one_line(tmp_path):
-    """Asked for --tensorboard without the package: one line before any data or model is built, on every rank."""
-    missing = tmp_path / "site" / "tensorboard"  # on the path first: `import tensorboard` fails as if not installed
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_a_tracker_without_its_package_ends_every_rank_with_one_line(package, tmp_path):
+    """Asked for --tensorboard or --wandb without the package: one line before any data or model is built, on every
+    rank."""
+    missing = tmp_path / "site" / package  # on the path first: `import PACKAGE` fails as if not installed
     missing.mkdir(parents=True)
-    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'tensorboard'\")\n")
-    result = run(torchrun(2, "distributed.py", *TINY, "--tensorboard", "--output-dir", tmp_path / "out"),
-                 env={"PYTHONPATH": str(missing.parent)}, timeout=60, check=False)
-    line = "error: --tensorboard needs the tensorboard package: pip install tensorboard"
+    (missing / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
+    flag = ["--tensorboard"] if package == "tensorboard" else ["--wandb", "ddp-scripts-tests"]
+    result = run(torchrun(2, "distributed.py", *TINY, *flag, "--output-dir", tmp_path / "out"),
+                 env={"PYTHONPATH": str(missing.parent), **OFFLINE}, timeout=60, check=False)
+    line = f"error: --{package} needs the {package} package: pip install {package}"
     # before the rendezvous no rank can wait for another: torchrun stops the other worker once one has failed,
     # which may be before that one's own check (seen in about half the runs)
     assert result.returncode != 0 and result.stderr.count(line) >= 1, result.stderr
-    assert "world size" not in result.stdout and not (tmp_path / "out" / "tensorboard").exists()
+    assert "world size" not in result.stdout and not (tmp_path / "out" / package).exists()
 
 
 def test_the_records_plot_as_curves(reference, tmp_path):

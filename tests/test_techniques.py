@@ -1,11 +1,15 @@
-"""distributed_amp.py and distributed_grad_accum.py."""
+"""distributed_amp.py, distributed_grad_accum.py, torch.compile, and the moving average of the weights (--ema, in
+every script: its equalities are checked wherever the tiny job's weights are, see processes.py)."""
 from __future__ import annotations
 
 import json
 import math
 
 import pytest
+import torch
+import torch.nn as nn
 
+import utils
 from processes import (EVAL_EVERY, TINY, assert_same_records, max_weight_difference, metrics, python, run, steps,
                        torchrun, weights)
 
@@ -79,3 +83,45 @@ def test_compiled_step_trains_the_same_model_with_plain_checkpoint_keys(tmp_path
         timeout=300, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(out))
     assert max_weight_difference(out, reference["one"]) <= 1e-5
+
+
+def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continues():
+    """utils.EMA on a model with a tied weight and batch-norm buffers, inside DataParallel: plain names, each tensor
+    once; after update n the average is lerp(average, weights, 1 - min(decay, (1 + n) / (10 + n))), its integer
+    count a copy; swapped in for validation the model holds the average, and then its own weights bit for bit; its
+    state continues in another run's EMA, and a run without --ema refuses it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    ema = utils.EMA(nn.DataParallel(model), 0.9)
+    assert list(ema.average) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.bias", "1.running_mean",
+                                 "1.running_var", "1.num_batches_tracked"]
+    expected = {name: tensor.clone() for name, tensor in ema.average.items()}
+    for n in range(1, 31):
+        model(torch.randn(8, 4))  # training: new batch-norm statistics
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update()
+        decay = min(0.9, (1 + n) / (10 + n))  # 0.18 at the first update, 0.9 from the 80th
+        current = dict([*model.named_parameters(), *model.named_buffers()])
+        for name, average in expected.items():
+            expected[name] = average * decay + current[name] * (1 - decay) if average.is_floating_point() else \
+                current[name].clone()
+    for name, average in expected.items():
+        assert torch.allclose(ema.average[name], average, atol=1e-6), name
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with ema.swapped():
+        inside = model.state_dict()
+        assert torch.equal(inside["2.weight"], inside["0.weight"])  # still tied
+        assert all(torch.allclose(inside[name], average, atol=1e-6) for name, average in expected.items())
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in weights.items())
+    assert not torch.allclose(weights["0.weight"], expected["0.weight"])  # an average, not the weights
+    other = utils.EMA(model, 0.9)
+    other.load_state_dict(ema.state_dict())
+    assert other.updates == 30 and all(torch.equal(other.average[k], ema.average[k]) for k in ema.average)
+    with pytest.raises(ValueError, match="--ema"):
+        utils.EMA(model, None).load_state_dict(ema.state_dict())
+    records = ema.evaluated(lambda: {"val_loss": float(model[0].weight.sum()), "val_images": 8})
+    assert records["val_loss_ema"] == pytest.approx(float(expected["0.weight"].sum()), abs=1e-5)
+    assert records["val_loss"] == pytest.approx(float(weights["0.weight"].sum())) and "val_images_ema" not in records
