@@ -1,7 +1,7 @@
 """What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
 from __future__ import annotations
 
-import argparse, contextlib, ctypes, datetime, errno, functools, gc, hashlib, importlib, inspect, itertools, json
+import argparse, contextlib, datetime, errno, functools, gc, hashlib, importlib, inspect, itertools, json
 import logging, math, os, pickle, re, resource, shutil, signal, socket, sys, tempfile, time, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
@@ -10,11 +10,6 @@ from urllib.parse import urlparse
 # PyTorch's C++ side logs rendezvous retries with stack dumps; our errors say it in one
 # line. Must be set before torch loads; TORCH_CPP_LOG_LEVEL=INFO shows everything again.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-# glibc gives a freed tensor's memory back to the system only where it had pages of its own: from 1 MiB here, not
-# from the 32 MiB the threshold rises to, where a model's many smaller tensors fragment the heap and keep it (GPT-2
-# large under FSDP on CPU processes, measured: up to 2.3 GiB more a rank at the peak of training)
-with contextlib.suppress(AttributeError):  # no glibc (macOS): nothing to set
-    ctypes.CDLL(None).mallopt(-3, 2**20)  # M_MMAP_THRESHOLD; set, it no longer rises
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
@@ -508,8 +503,12 @@ class StepRecords:
             self.writer = tb.SummaryWriter(self.path.with_name("tensorboard"), purge_step=last["global_step"] + 1)
         if self.args.wandb:  # every record a row at once, plotted against its global_step (not W&B's own count)
             wandb = importlib.import_module("wandb")
-            self.wandb = wandb.init(project=self.args.wandb, id=self.saved["wandb_id"], resume="allow",
-                                    config=vars(self.args), dir=self.path.parent)
+            try:
+                self.wandb = wandb.init(project=self.args.wandb, id=self.saved["wandb_id"], resume="allow",
+                                        config=vars(self.args), dir=self.path.parent)
+            except wandb.errors.Error as e:  # not logged in, no network: ends every rank, in one line
+                raise UsageError(f"--wandb cannot start its run ({first_line(e)}): wandb login, or set "
+                                 f"WANDB_MODE=offline") from None
             self.wandb.define_metric("*", step_metric="global_step")
 
     def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor) -> None:

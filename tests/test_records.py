@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from processes import (MEASURED, TINY, assert_same_records, max_weight_difference, metrics, run, steps,
-                       torchrun)
+from processes import (MEASURED, TINY, assert_same_records, ends_every_rank_with, max_weight_difference, metrics, run,
+                       steps, torchrun)
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").replace(
@@ -158,6 +158,14 @@ def test_a_tracker_without_its_package_ends_every_rank_with_one_line(package, tm
     # which may be before that one's own check (seen in about half the runs)
     assert result.returncode != 0 and result.stderr.count(line) >= 1, result.stderr
     assert "world size" not in result.stdout and not (tmp_path / "out" / package).exists()
+
+
+def test_wandb_without_a_login_ends_every_rank_with_one_line(tmp_path):
+    """--wandb online with no API key (no ~/.netrc in this HOME): wandb's error, as one line on every rank."""
+    env = {"HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_API_KEY": "", "WANDB_SILENT": "true"}
+    result = run(torchrun(2, "distributed.py", *TINY, "--epochs", "1", "--wandb", "ddp-scripts-tests",
+                          "--output-dir", tmp_path / "out"), env=env, timeout=60, check=False)
+    ends_every_rank_with(result, "error: --wandb cannot start its run (No API key configured.")
 
 
 def test_the_records_plot_as_curves(reference, tmp_path):
