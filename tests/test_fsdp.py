@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, finish, free_port,
-                       max_weight_difference, metrics, python, run, run_parallel, start, steps, torchrun, wait_for,
-                       weights)
+from processes import (EVAL_EVERY, OFFLINE, PYTHON, ROOT, TINY, assert_same_records, assert_wandb_equals_the_records,
+                       ends_every_rank_with, finish, free_port, max_weight_difference, metrics, python, run,
+                       run_parallel, start, steps, torchrun, wait_for, weights)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
@@ -29,12 +29,13 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory) -> dict[str, Path]:
-    """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1."""
+    """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1, logging
+    to W&B (offline)."""
     base = tmp_path_factory.mktemp("fsdp")
     run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"))
-    stopped = ["--stop-after", "2", "--output-dir", base / "two-then-one"]
-    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped))
-    run(python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two-then-one"))
+    stopped = ["--stop-after", "2", "--wandb", "ddp-scripts-tests", "--output-dir", base / "two-then-one"]
+    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped), env=OFFLINE)
+    run(python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped[2:]), env=OFFLINE)
     return {"two": base / "two", "two then one": base / "two-then-one"}
 
 
@@ -68,6 +69,7 @@ def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
     assert d <= 1e-5
     assert_same_records(steps(out), steps(fsdp["two"]), tolerance=1e-5)
+    assert_wandb_equals_the_records(out, runs=2)  # the sharded checkpoint kept the run's id
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

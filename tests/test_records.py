@@ -3,14 +3,10 @@ checkpoints, and one line where the tensorboard or wandb package is missing. (Re
 test_distributed.py, of accumulated micro-batches in test_techniques.py, of a token loss in test_text_and_lists.py.)"""
 from __future__ import annotations
 
-import json
-import struct
-from pathlib import Path
-
 import pytest
 
-from processes import (MEASURED, TINY, assert_same_records, ends_every_rank_with, max_weight_difference, metrics, run,
-                       steps, torchrun)
+from processes import (MEASURED, OFFLINE, TINY, assert_same_records, assert_wandb_equals_the_records,
+                       ends_every_rank_with, max_weight_difference, metrics, run, steps, torchrun)
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").replace(
@@ -37,13 +33,10 @@ def build_model(args, num_classes):  # dropout: the checkpoint keeps the random 
 
 # 62 steps an epoch; in epoch 2, a checkpoint at step 25 (global step 87), then training records at 28 and 35 and a
 # validation at 30 (global 90, 97, 92); the kill comes in step 38: what followed the checkpoint is written again
-# W&B offline (the tests reach no network): each run of the command writes OUTPUT_DIR/wandb/offline-run-*/; the
-# moving average of the weights continues exactly too
+# W&B offline (processes.OFFLINE); the moving average of the weights continues exactly too
 WATCHED = [*COMMON, "--save-every", "25", "--print-freq", "7", "--eval-every", "15", "--tensorboard",
            "--wandb", "ddp-scripts-tests", "--ema", "0.5"]
-OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL": "0.1"}
 KILL_IN_EPOCH_2_STEP_38 = str(1 + 62 + 38)  # the start-up check's forward, epoch 1, then epoch 2's
-STEPS = 62
 
 
 def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
@@ -63,58 +56,6 @@ def assert_tensorboard_equals_the_records(output_dir) -> None:
         wanted = [(r["global_step"], r[tag]) for r in records if r.get(tag) is not None]
         assert [step for step, _ in points] == [step for step, _ in wanted], tag  # none twice, none missing
         assert [value for _, value in points] == pytest.approx([value for _, value in wanted], rel=1e-6), tag
-
-
-def wandb_records(path: Path) -> list:
-    """The records of an offline run's run-ID.wandb (wandb ships no reader): LevelDB's log format, a 7-byte file
-    header, then blocks of 32 KiB, each record in chunks behind a 7-byte header (CRC, length, type: 1 whole, 2 first,
-    3 middle, 4 last); a block's last 6 bytes or fewer are padding."""
-    from wandb.proto.wandb_internal_pb2 import Record
-    data, position, chunks, records = path.read_bytes(), 7, b"", []
-    assert data[:4] == b":W&B", data[:7]
-    while position + 7 <= len(data):
-        if (left := 32768 - position % 32768) < 7:
-            position += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        chunks, position = chunks + data[position + 7:position + 7 + length], position + 7 + length
-        if kind in (1, 4):
-            records.append(Record.FromString(chunks))
-            chunks = b""
-    return records
-
-
-def wandb_runs(output_dir: Path) -> list[tuple[str, list[dict]]]:
-    """Each offline run's (id, history rows), oldest first; a row without W&B's own _step, _runtime, _timestamp."""
-    runs = []
-    for path in sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        records = wandb_records(path)
-        run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
-        items = [[(item.key or "/".join(item.nested_key), json.loads(item.value_json)) for item in r.history.item]
-                 for r in records if r.WhichOneof("record_type") == "history"]  # a key with "/" comes as its parts
-        rows = [{key: value for key, value in row if not key.startswith("_")} for row in items]
-        runs.append((run_id, rows))
-    return runs
-
-
-def assert_wandb_equals_the_records(output_dir: Path, runs: int) -> None:
-    """W&B holds one run, continued by each run of the command: its rows are the records of steps.jsonl, each once
-    and in order, and after each epoch's last validation that epoch's line of metrics.jsonl (under epoch/)."""
-    found = wandb_runs(output_dir)
-    assert len(found) == runs and len({run_id for run_id, _ in found}) == 1, found
-    expected, epochs = [], metrics(output_dir)
-    for record in steps(output_dir):
-        expected.append({key: value for key, value in record.items() if key not in ("epoch", "step")})
-        if "val_loss" in record and record["step"] == STEPS:
-            epoch = epochs[record["epoch"] - 1]
-            expected.append({"global_step": record["global_step"], **{f"epoch/{key}": value for key, value in
-                                                                       epoch.items()}})
-    expected = [{key: value for key, value in row.items() if value is not None} for row in expected]
-    rows = [row for _, run_rows in found for row in run_rows]
-    assert [sorted(row) for row in rows] == [sorted(row) for row in expected]
-    for row, wanted in zip(rows, expected):  # the killed run's measured speed and memory where W&B got them first
-        learned = {key for key in wanted if key.removeprefix("epoch/") not in MEASURED}
-        assert {k: row[k] for k in learned} == pytest.approx({k: wanted[k] for k in learned}, rel=1e-6), row
 
 
 def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path):

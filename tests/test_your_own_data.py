@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import utils
-from processes import PYTHON, ROOT, ends_every_rank_with, max_weight_difference, metrics, run, weights
+from processes import (OFFLINE, PYTHON, ROOT, assert_wandb_equals_the_records, ends_every_rank_with,
+                       max_weight_difference, metrics, run, weights)
 
 YOUR_CLASSIFICATION = '''
 class Blobs(torch.utils.data.Dataset):
@@ -160,7 +161,7 @@ def single_process(tmp_path_factory) -> Path:
     (tests/test_launch_variants.py shows that it equals distributed.py in one process)."""
     base = tmp_path_factory.mktemp("yours")
     script = copy_with_your_functions("dataparallel.py", base / "copy", YOUR_REGRESSION)
-    run([PYTHON, script, *COMMON, "--output-dir", base / "out"], cwd=base)
+    run([PYTHON, script, *COMMON, *TRACKED, "--output-dir", base / "out"], cwd=base, env=OFFLINE)
     return base / "out"
 
 
@@ -169,6 +170,8 @@ def untrained_regression_loss() -> float:
     return users_code(YOUR_REGRESSION)["Line"](203, seed=2).y.pow(2).mean().item()
 
 
+# every script also keeps a moving average of the weights and logs to W&B (offline)
+TRACKED = ["--ema", "0.9", "--wandb", "ddp-scripts-tests"]
 # (script, processes, extra flags, equal to one process with the whole batch?)
 CASES = {
     "distributed.py": ("distributed.py", 2, [], True),
@@ -181,13 +184,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_regression_task_trains_in_every_script(case, tmp_path, single_process):
-    """A plain Dataset of float features and float targets, an MLP with one output and F.mse_loss."""
+    """A plain Dataset of float features and float targets, an MLP with one output and F.mse_loss; with --ema and
+    --wandb, whose run holds every record once."""
     script, processes, flags, exact = CASES[case]
     out = single_process
     if script != "dataparallel.py":
         copy = copy_with_your_functions(script, tmp_path / "copy", YOUR_REGRESSION)
         out = tmp_path / "out"
-        run(launch(copy, processes, *COMMON, *flags, "--output-dir", out), cwd=tmp_path)
+        run(launch(copy, processes, *COMMON, *TRACKED, *flags, "--output-dir", out), cwd=tmp_path, env=OFFLINE)
     epochs = metrics(out)
     losses = [m["val_loss"] for m in epochs]
     assert losses == sorted(losses, reverse=True) and losses[-1] <= untrained_regression_loss() / 10, losses
@@ -196,8 +200,10 @@ def test_a_regression_task_trains_in_every_script(case, tmp_path, single_process
     assert [m["val_images"] for m in epochs] == [203] * 3  # each validation input once
     assert epochs[-1]["tflops"] > 0  # FLOPs counted on a real batch of the user's inputs
     assert list(weights(out)) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # plain keys
-    if exact:
+    if exact:  # the weights and their moving average
         assert max_weight_difference(out, single_process) <= 1e-5
+    assert_wandb_equals_the_records(out, runs=1)
+    assert all(m["val_loss_ema"] < untrained_regression_loss() / 10 for m in epochs[1:])
 
 
 @pytest.mark.parametrize("script, flags", [("distributed.py", []), ("distributed_amp.py", ["--amp-dtype", "bfloat16"])])
