@@ -32,9 +32,9 @@ def fsdp(tmp_path_factory) -> dict[str, Path]:
     """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1, logging
     to W&B (offline)."""
     base = tmp_path_factory.mktemp("fsdp")
-    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"))
     stopped = ["--stop-after", "2", "--wandb", "ddp-scripts-tests", "--output-dir", base / "two-then-one"]
-    run(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped), env=OFFLINE)
+    run_parallel([(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"), {}),
+                  (torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped), OFFLINE)])
     run(python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped[2:]), env=OFFLINE)
     return {"two": base / "two", "two then one": base / "two-then-one"}
 
