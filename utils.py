@@ -532,7 +532,6 @@ class StepRecords:
                     self.writer.add_scalar(key, values[key], global_step)
                 self.writer.flush()  # on disk before a later checkpoint: a kill loses no point the checkpoint keeps
 
-
     def epoch(self, record: dict) -> None:
         """On rank 0: the epoch's line in metrics.jsonl, whole or not at all, and in W&B at the epoch's last step."""
         append_metrics(self.path.with_name("metrics.jsonl"), record)
