@@ -4,6 +4,7 @@ large needs the machine's memory and minutes, so it runs by hand; tests/test_fsd
 
     python tests/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
     python tests/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
+    python tests/fsdp_memory.py --gpu --batch-size 8 --tokens 1024  # 1 process per GPU, + FSDP with --cpu-offload
 
 Each approach runs twice: 1 epoch of 2 steps (of 2 planned epochs), then the same command again, which continues
 from the checkpoint and trains the second. Phases of the first run: build (build_model), shard (FSDP's sharding and
@@ -11,7 +12,8 @@ the weights sent from rank 0; DDP's wrap), start-up (the start-up check's step),
 validation, save (from validation's last loss: the checkpoint, model.pt, hf/); continuation: the whole second run.
 Prints, per approach and rank, the peak resident memory of each phase in GiB, what the save adds to the memory it
 began with, the state the rank holds (metrics.jsonl's, rank 0's), the job's peak (both ranks' resident memory at
-the same moment, summed), and the start-up line that says what each rank will hold.
+the same moment, summed), and the start-up line that says what each rank will hold. With --gpu, one process per
+GPU, and the GPU's peak (allocated, the largest of metrics.jsonl's peak_mem_mb) in a column of its own.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from processes import metrics, run  # noqa: E402
@@ -81,6 +85,7 @@ def compute_loss(outputs, targets):
 CONFIGS = {"gpt2": {}, "gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20}}
 APPROACHES = {"DDP": ("distributed.py", []), "FSDP": ("distributed_fsdp.py", []),
               "FSDP + activation checkpointing": ("distributed_fsdp.py", ["--activation-checkpointing"])}
+ON_GPUS = {"FSDP + CPU offload": ("distributed_fsdp.py", ["--cpu-offload"])}  # on CPU processes it changes nothing
 PHASES = ["build", "shard", "start-up", "training", "validation", "save", "continuation"]
 
 
@@ -117,14 +122,19 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="this approach alone: DDP, FSDP, ...")
     parser.add_argument("--batch-size", type=int, default=4, help="global batch of sequences")
     parser.add_argument("--tokens", type=int, default=32, help="tokens a sequence")
+    parser.add_argument("--gpu", action="store_true", help="one process per GPU (not 2 CPU processes), + offload")
     args = parser.parse_args()
     config = json.dumps(CONFIGS[args.model])
     flags = ["--batch-size", str(args.batch_size), "--epochs", "2", "--workers", "0", "--optimizer", "adamw",
              "--timeout", "600", "--print-freq", "1", "--steps-per-epoch", "2"]
-    print(f"{args.model}, 2 CPU processes, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps")
-    print("| approach | rank | " + " | ".join(PHASES) + " | save adds | state held | job | s/step |")
-    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: | ---: | ---: |")
-    for name, (script, extra) in APPROACHES.items():
+    nproc = torch.cuda.device_count() if args.gpu else 2
+    where = f"{nproc} x {torch.cuda.get_device_name(0)}" if args.gpu else "2 CPU processes"
+    print(f"{args.model}, {where}, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps")
+    gpu = " GPU peak |" if args.gpu else ""
+    print("| approach | rank | " + " | ".join(PHASES) + f" | save adds | state held | job |{gpu} s/step |")
+    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: | ---: |"
+          + " ---: |" * (1 + args.gpu))
+    for name, (script, extra) in {**APPROACHES, **(ON_GPUS if args.gpu else {})}.items():
         if args.only and args.only != name:
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -133,21 +143,22 @@ def main() -> None:
                 (Path(tmp) / "memory" / second).mkdir(parents=True)
                 stop = ["--stop-after", "1"] if second == "1" else []
                 # glibc's mmap threshold fixed at 1 MiB, as docs/fsdp.md advises for a run that memory limits
-                result = run(launch(copy, 2, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
+                threads = {} if args.gpu else {"OMP_NUM_THREADS": "1"}
+                result = run(launch(copy, nproc, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
                              timeout=3600, cwd=Path(tmp), env={"MEMORY": str(Path(tmp) / "memory" / second),
-                                                               "GPT2_CONFIG": config, "OMP_NUM_THREADS": "1",
-                                                               "TOKENS": str(args.tokens),
-                                                               "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+                                                               "GPT2_CONFIG": config, "TOKENS": str(args.tokens),
+                                                               "MALLOC_MMAP_THRESHOLD_": str(2**20), **threads})
                 said.update(line for line in result.stdout.splitlines() if line.startswith("each rank will hold"))
             m = metrics(Path(tmp) / "out")[0]
             state = (m["params_mb"] + m["grads_mb"] + m["optimizer_mb"]) / 1024
-            found = [notes(Path(tmp) / "memory", rank) for rank in (0, 1)]
-            for rank in (0, 1):
+            gpu_peak = f" {max(e['peak_mem_mb'] for e in metrics(Path(tmp) / 'out')) / 1024:.2f} |" if args.gpu else ""
+            found = [notes(Path(tmp) / "memory", rank) for rank in range(nproc)]
+            for rank in range(nproc):
                 highest = peaks(found[rank])
                 cells = " | ".join(f"{highest[p]:.2f}" if p in highest else "-" for p in PHASES)
                 save = [gib for _, phase, gib in found[rank] if phase == "save"]
                 print(f"| {name} | {rank} | {cells} | {max(save) - save[0]:.2f} | {state:.2f} | "
-                      f"{job_peak(found):.2f} | {m['epoch_time_s'] / 2:.1f} |", flush=True)
+                      f"{job_peak(found):.2f} |{gpu_peak} {m['epoch_time_s'] / 2:.2f} |", flush=True)
             if said:  # FSDP's start-up line: what each rank will hold
                 print(f"{name}: " + "; ".join(sorted(said)))
 

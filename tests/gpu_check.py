@@ -2,9 +2,10 @@
 activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a clean end), for a
 machine with a GPU. CI has
 none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
-it measured, one line per check, and exits non-zero if a check fails."""
+it measured, one line per check, and exits non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import tempfile
@@ -26,33 +27,51 @@ def check(name: str, ok: bool, detail: str) -> None:
         failures.append(name)
 
 
+EXACT = [*TINY, "--no-augment", *EVAL_EVERY]  # the tiny job, each run's weights comparable to the others'
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Checks of the GPU paths: a line each, non-zero exit if one fails")
+    parser.add_argument("--only", action="append", choices=list(SECTIONS),
+                        help="this group of checks alone (repeatable; default all); the DDP reference runs anyway")
+    args = parser.parse_args()
     assert torch.cuda.is_available(), "no GPU visible"
     print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, PyTorch {torch.__version__}")
     tmp = Path(tempfile.mkdtemp())
-    exact = [*TINY, "--no-augment", *EVAL_EVERY]
-    result = run(python("distributed.py", *exact, "--tensorboard", "--output-dir", tmp / "ddp"))
+    result = run(python("distributed.py", *EXACT, "--tensorboard", "--output-dir", tmp / "ddp"))
     m = metrics(tmp / "ddp")[-1]
     check("distributed.py on cuda (nccl, world 1) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}")
     warned = "barrier(): using the device" in result.stderr  # device_id given to init_process_group: no guess
     check("no barrier() device warning", not warned, "warned" if warned else "none printed")
-    your_task_on_the_gpu(tmp)
-    a_stream_on_the_gpu(tmp)
-    run(python("dataparallel.py", *exact, "--output-dir", tmp / "dp"))
+    events = list((tmp / "ddp" / "tensorboard").glob("events.out.tfevents.*"))
+    check("--tensorboard on a GPU run wrote its event file", len(events) == 1, f"{len(events)} event files")
+    for name in args.only or SECTIONS:
+        SECTIONS[name](tmp)
+    print(f"{len(failures)} failed" if failures else "all GPU checks passed")
+    sys.exit(1 if failures else 0)
+
+
+def launchers(tmp: Path) -> None:
+    """DataParallel, mp.spawn and accumulation train what distributed.py trains."""
+    run(python("dataparallel.py", *EXACT, "--output-dir", tmp / "dp"))
     d = max_weight_difference(tmp / "dp", tmp / "ddp")
     check("dataparallel.py on 1 GPU == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
-    run(python("distributed_mp.py", *exact, "--output-dir", tmp / "mp"))
+    run(python("distributed_mp.py", *EXACT, "--output-dir", tmp / "mp"))
     d = max_weight_difference(tmp / "mp", tmp / "ddp")
     check("distributed_mp.py (nccl, spawn) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
-    run(torchrun(1, "distributed_grad_accum.py", *exact, "--accum-steps", "4", "--output-dir", tmp / "acc"))
+    run(torchrun(1, "distributed_grad_accum.py", *EXACT, "--accum-steps", "4", "--output-dir", tmp / "acc"))
     d = max_weight_difference(tmp / "acc", tmp / "ddp")
     check("accumulation K=4 == one batch", d <= 1e-4, f"max weight difference {d:.2e}")
+
+
+def mixed_precision(tmp: Path) -> None:
+    """float16 with GradScaler and bfloat16 learn; an overflow is skipped; a continued run keeps the scaler."""
     for dtype in ("float16", "bfloat16"):
-        run(torchrun(1, "distributed_amp.py", *exact, "--amp-dtype", dtype, "--output-dir", tmp / dtype))
+        run(torchrun(1, "distributed_amp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", tmp / dtype))
         m = metrics(tmp / dtype)[-1]
         check(f"AMP {dtype} on cuda learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
               f"loss scale {m['loss_scale']}, skipped {m['skipped_steps']}")
-    scaled = [*exact, "--amp-dtype", "float16", "--init-scale", str(2.0 ** 40)]
+    scaled = [*EXACT, "--amp-dtype", "float16", "--init-scale", str(2.0 ** 40)]
     run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "straight"))
     run(python("distributed_amp.py", *scaled, "--stop-after", "1", "--output-dir", tmp / "resumed"))
     run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "resumed"))
@@ -64,27 +83,32 @@ def main() -> None:
     same_scale = metrics(tmp / "straight")[-1]["loss_scale"] == metrics(tmp / "resumed")[-1]["loss_scale"]
     check("float16 continued run == uninterrupted (scaler state too)", d <= 1e-4 and same_scale,
           f"max weight difference {d:.2e}, same loss scale {same_scale}")
-    run(torchrun(1, "distributed_fsdp.py", *exact, "--output-dir", tmp / "fsdp"))
-    full = torch.load(tmp / "fsdp" / "model.pt", weights_only=True)
-    d = max((full[k].double() - w.double()).abs().max().item() for k, w in weights(tmp / "ddp").items())
+
+
+def fsdp(tmp: Path) -> None:
+    """FSDP over nccl trains what DDP trains, in float32, bfloat16, and with offload and recomputation."""
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--output-dir", tmp / "fsdp"))
+    d = max_weight_difference(tmp / "fsdp", tmp / "ddp")
     check("distributed_fsdp.py (nccl, fp32) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
     fsdp, ddp = steps(tmp / "fsdp"), steps(tmp / "ddp")
     d = max(abs(a[k] - b[k]) for a, b in zip(fsdp, ddp) for k in ("train_loss", "val_loss", "grad_norm") if k in a)
     same = [r["global_step"] for r in fsdp] == [r["global_step"] for r in ddp]
     check("FSDP's records (losses, the norm over nccl shards) == DDP's", same and d <= 1e-4, f"max difference {d:.2e}")
-    events = list((tmp / "ddp" / "tensorboard").glob("events.out.tfevents.*"))
-    check("--tensorboard on a GPU run wrote its event file", len(events) == 1, f"{len(events)} event files")
-    run(torchrun(1, "distributed_fsdp.py", *exact, "--clip-grad", "1", "--output-dir", tmp / "fsdp-clipped"))
-    run(torchrun(1, "distributed_fsdp.py", *exact, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--clip-grad", "1", "--output-dir", tmp / "fsdp-clipped"))
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
     m = metrics(tmp / "fsdp-bf16")[-1]
     check("FSDP bfloat16 (MixedPrecisionPolicy) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
           f"model state {m['params_mb'] + m['grads_mb'] + m['optimizer_mb']:.2f} MB per rank")
     # offloaded state (the gradient norm's all-reduce on the CPU group beside nccl) and recomputed activations
-    run(torchrun(1, "distributed_fsdp.py", *exact, "--cpu-offload", "--activation-checkpointing", "--clip-grad", "1",
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--cpu-offload", "--activation-checkpointing", "--clip-grad", "1",
                  "--output-dir", tmp / "fsdp-offload"))
     d = max_weight_difference(tmp / "fsdp-offload", tmp / "fsdp-clipped")
     check("FSDP --cpu-offload --activation-checkpointing --clip-grad == FSDP --clip-grad", d <= 1e-4,
           f"max weight difference {d:.2e}")
+
+
+def resnet(tmp: Path) -> None:
+    """SyncBatchNorm, channels_last and torch.compile on a ResNet-18."""
     resnet = ["--dataset", "fake", "--arch", "resnet18", "--fake-size", "2048", "--batch-size", "128",
               "--epochs", "2", "--workers", "2"]
     run(torchrun(1, "distributed.py", *resnet, "--sync-bn", "--output-dir", tmp / "syncbn"))
@@ -95,7 +119,11 @@ def main() -> None:
     keys = list(weights(tmp / "compiled"))
     clean = not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
     check("channels_last + compile checkpoint has plain keys", clean, f"first key {keys[0]}")
-    graphs = [*exact, "--compile-mode", "reduce-overhead"]  # the step replayed as CUDA graphs
+
+
+def cuda_graphs(tmp: Path) -> None:
+    """--compile-mode reduce-overhead trains what eager trains, and continues exactly."""
+    graphs = [*EXACT, "--compile-mode", "reduce-overhead"]  # the step replayed as CUDA graphs
     run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs"), timeout=900)
     keys = list(weights(tmp / "graphs"))
     d = max_weight_difference(tmp / "graphs", tmp / "ddp")
@@ -105,8 +133,6 @@ def main() -> None:
     run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs-resumed"), timeout=900)
     d = max_weight_difference(tmp / "graphs-resumed", tmp / "graphs")
     check("CUDA graphs: continued run == uninterrupted", d <= 1e-6, f"max weight difference {d:.2e}")
-    print(f"{len(failures)} failed" if failures else "all GPU checks passed")
-    sys.exit(1 if failures else 0)
 
 
 def your_task_on_the_gpu(tmp: Path) -> None:
@@ -146,6 +172,14 @@ def a_stream_on_the_gpu(tmp: Path) -> None:
     d = max_weight_difference(*outs.values())
     check("a stream: distributed_fsdp.py == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
 
+
+def tasks(tmp: Path) -> None:
+    your_task_on_the_gpu(tmp)
+    a_stream_on_the_gpu(tmp)
+
+
+SECTIONS = {"tasks": tasks, "launchers": launchers, "amp": mixed_precision, "fsdp": fsdp, "resnet": resnet,
+            "graphs": cuda_graphs}
 
 if __name__ == "__main__":
     main()

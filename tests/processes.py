@@ -129,18 +129,20 @@ def free_port() -> int:
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    """The trained weights: checkpoint.pt's, or distributed_fsdp.py's model.pt beside its sharded checkpoint."""
+    """The trained weights: checkpoint.pt's, or distributed_fsdp.py's model.pt beside its sharded checkpoint; on the
+    CPU (a GPU run's checkpoint.pt holds them where they trained, FSDP's model.pt on the CPU)."""
     checkpoint = Path(output_dir) / "checkpoint.pt"
     if checkpoint.exists():
-        return torch.load(checkpoint, weights_only=True)["model"]
-    return torch.load(Path(output_dir) / "model.pt", weights_only=True)
+        return torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    return torch.load(Path(output_dir) / "model.pt", map_location="cpu", weights_only=True)
 
 
 def max_weight_difference(dir_a: Path, dir_b: Path) -> float:
     """Of the trained weights, and of their --ema average (model_ema.pt) where either run kept one."""
     pairs = [(weights(dir_a), weights(dir_b))]
     if any((Path(d) / "model_ema.pt").exists() for d in (dir_a, dir_b)):  # then both must have it
-        pairs.append(tuple(torch.load(Path(d) / "model_ema.pt", weights_only=True) for d in (dir_a, dir_b)))
+        pairs.append(tuple(torch.load(Path(d) / "model_ema.pt", map_location="cpu", weights_only=True)
+                           for d in (dir_a, dir_b)))
     assert all(a.keys() == b.keys() for a, b in pairs)
     return max((a[k].double() - b[k].double()).abs().max().item() for a, b in pairs for k in a)
 
