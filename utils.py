@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._pytree import tree_map_only  # nested tuples, lists and dicts of tensors
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # nested tuples, lists, dicts
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 log = logging.getLogger("train")
@@ -799,7 +799,8 @@ def write_atomically(path: Path, data: bytes | Callable) -> None:
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
-    """The checkpoint at path or None; rank 0 reads it and sends it to all (no shared file system needed)."""
+    """The checkpoint at path or None; rank 0 reads it and sends it to all (no shared file system needed), a tensor
+    at a time: no rank holds a second copy (sent as one pickled object, the receivers held it 4 times)."""
     state = None
     with errors_shared_by_all_ranks():
         if rank == 0 and path.exists():
@@ -810,10 +811,17 @@ def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
                                  f"another --output-dir") from None
             if not (isinstance(state, dict) and {"model", "optimizer", "epoch"} <= state.keys()):
                 raise UsageError(f"{path} is not a checkpoint of these scripts: delete it or use another --output-dir")
-    box = [state]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return state
+    leaves, spec = tree_flatten(state)
+    box = [[t.to("meta") if torch.is_tensor(t) else t for t in leaves], spec]  # each tensor as its shape and dtype
+    dist.broadcast_object_list(box, src=0)
+    group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None  # the tensors stay on the CPU
+    for i, leaf in enumerate(box[0]):
+        if torch.is_tensor(leaf):
+            box[0][i] = leaves[i].contiguous() if rank == 0 else torch.empty(leaf.shape, dtype=leaf.dtype)
+            dist.broadcast(box[0][i], src=0, group=group)
+    return tree_unflatten(*box)
 
 
 def rng_states() -> dict:
