@@ -799,8 +799,8 @@ def write_atomically(path: Path, data: bytes | Callable) -> None:
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
-    """The checkpoint at path or None; rank 0 reads it and sends it to all (no shared file system needed), a tensor
-    at a time: no rank holds a second copy (sent as one pickled object, the receivers held it 4 times)."""
+    """The checkpoint at path or None; rank 0 reads it and sends it to all (no shared file system needed)."""
+    # a tensor at a time, so that no rank holds a second copy: sent as one pickled object, receivers held it 4 times
     state = None
     with errors_shared_by_all_ranks():
         if rank == 0 and path.exists():
