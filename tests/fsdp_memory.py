@@ -5,6 +5,7 @@ large needs the machine's memory and minutes, so it runs by hand; tests/test_fsd
     python tests/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
     python tests/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
     python tests/fsdp_memory.py --gpu --batch-size 8 --tokens 1024  # 1 process per GPU, + FSDP with --cpu-offload
+    python tests/fsdp_memory.py --model gpt2-large --beyond-the-state  # what a rank holds beside its shards
 
 Each approach runs twice: 1 epoch of 2 steps (of 2 planned epochs), then the same command again, which continues
 from the checkpoint and trains the second. Phases of the first run: build (build_model), shard (FSDP's sharding and
@@ -116,6 +117,29 @@ def job_peak(ranks: list[list[tuple[float, str, float]]]) -> float:
     return highest
 
 
+def beyond_the_state(config: dict, batch_per_rank: int, tokens: int) -> None:
+    """What a rank's training holds beside its shards, from the model's sizes: the activations one forward saves for
+    backward (counted by autograd's hooks, weights left out), and the units that FSDP gathers whole."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config.from_dict(config))
+    weights, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if (storage := tensor.untyped_storage()).data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+    ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # the forward and the loss
+        torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].transpose(1, 2), ids[:, 1:])
+    mib = {name: p.numel() * p.element_size() / 2**20 for name, p in model.named_parameters()}
+    block = sum(size for name, size in mib.items() if name.startswith("transformer.h.0."))
+    root = sum(size for name, size in mib.items() if not name.startswith("transformer.h."))
+    print(f"beyond the state, each rank ({batch_per_rank} sequences of {tokens} tokens): activations saved for "
+          f"backward {sum(saved.values()) / 2**20:.0f} MiB; the root unit (embeddings, tied head, final norm) "
+          f"{root:.0f} MiB gathered and as much of unsharded gradient through backward; a block {block:.0f} MiB, "
+          f"gathered with the next one prefetched, and its gradient before the reduce-scatter")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(CONFIGS), default="gpt2", help="the GPT-2 built from its config")
@@ -123,8 +147,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="global batch of sequences")
     parser.add_argument("--tokens", type=int, default=32, help="tokens a sequence")
     parser.add_argument("--gpu", action="store_true", help="one process per GPU (not 2 CPU processes), + offload")
+    parser.add_argument("--beyond-the-state", action="store_true",
+                        help="only print what a rank's training holds beside its shards (no run)")
     args = parser.parse_args()
     config = json.dumps(CONFIGS[args.model])
+    if args.beyond_the_state:
+        return beyond_the_state(CONFIGS[args.model], args.batch_size // 2, args.tokens)
     flags = ["--batch-size", str(args.batch_size), "--epochs", "2", "--workers", "0", "--optimizer", "adamw",
              "--timeout", "600", "--print-freq", "1", "--steps-per-epoch", "2"]
     nproc = torch.cuda.device_count() if args.gpu else 2
