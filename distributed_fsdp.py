@@ -196,9 +196,7 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
                         f"the whole model in memory")
     if model is None:
         model = build_model(args, num_classes)
-    streams = [torch.get_rng_state()]
-    dist.broadcast_object_list(streams, src=0)
-    torch.set_rng_state(streams[0])
+    torch.set_rng_state(utils.gathered(torch.get_rng_state())[0])  # rank 0's
     return model
 
 
@@ -305,8 +303,9 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
     new, old = directory.with_name(directory.name + ".new"), directory.with_name(directory.name + ".old")
     try:
         dcp.save(state, checkpoint_id=new)
-        if torch.cuda.is_available():  # it copied GPU shards through pinned host memory, which CUDA keeps cached:
-            torch._C._host_emptyCache()  # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
+        # it copied GPU shards through pinned host memory, which CUDA keeps cached: give it back (it kept 2.6 GiB
+        # for GPT-2 small's 1.4 GiB of weights and AdamW state)
+        torch.cuda.is_available() and torch._C._host_emptyCache()
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         error = next(error for error, _ in e.failures.values())  # a failed write() names no file: name the directory
         if isinstance(error, OSError) and error.errno:

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 log = logging.getLogger("train")
 
 
-
 # ---------------------------------------------------------------- errors ----
 
 class UsageError(Exception):
@@ -239,8 +238,6 @@ def slurm_master_addr(nodelist: str) -> str:
         raise UsageError(f"cannot read a host from Slurm node list {nodelist!r}")
     prefix, ranges = match.groups()  # node, 01-04
     return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
-
-
 
 
 def no_buffer_sync_per_forward() -> dict[str, bool]:
