@@ -303,9 +303,8 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
     new, old = directory.with_name(directory.name + ".new"), directory.with_name(directory.name + ".old")
     try:
         dcp.save(state, checkpoint_id=new)
-        # it copied GPU shards through pinned host memory, which CUDA keeps cached: give it back (it kept 2.6 GiB
-        # for GPT-2 small's 1.4 GiB of weights and AdamW state)
-        torch.cuda.is_available() and torch._C._host_emptyCache()
+        if torch.cuda.is_available():  # it copied GPU shards through pinned host memory, which CUDA keeps cached:
+            torch._C._host_emptyCache()  # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         error = next(error for error, _ in e.failures.values())  # a failed write() names no file: name the directory
         if isinstance(error, OSError) and error.errno:

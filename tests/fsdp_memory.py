@@ -150,12 +150,11 @@ def main() -> None:
     parser.add_argument("--beyond-the-state", action="store_true",
                         help="only print what a rank's training holds beside its shards (no run)")
     args = parser.parse_args()
-    config = json.dumps(CONFIGS[args.model])
+    config, nproc = json.dumps(CONFIGS[args.model]), torch.cuda.device_count() if args.gpu else 2
     if args.beyond_the_state:
-        return beyond_the_state(CONFIGS[args.model], args.batch_size // 2, args.tokens)
+        return beyond_the_state(CONFIGS[args.model], args.batch_size // nproc, args.tokens)
     flags = ["--batch-size", str(args.batch_size), "--epochs", "2", "--workers", "0", "--optimizer", "adamw",
              "--timeout", "600", "--print-freq", "1", "--steps-per-epoch", "2"]
-    nproc = torch.cuda.device_count() if args.gpu else 2
     where = f"{nproc} x {torch.cuda.get_device_name(0)}" if args.gpu else "2 CPU processes"
     print(f"{args.model}, {where}, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps")
     gpu = " GPU peak |" if args.gpu else ""
@@ -170,8 +169,8 @@ def main() -> None:
             for second in ("1", "2"):  # the first run stops after its epoch; the same command continues
                 (Path(tmp) / "memory" / second).mkdir(parents=True)
                 stop = ["--stop-after", "1"] if second == "1" else []
-                # glibc's mmap threshold fixed at 1 MiB, as docs/fsdp.md advises for a run that memory limits
                 threads = {} if args.gpu else {"OMP_NUM_THREADS": "1"}
+                # glibc's mmap threshold fixed at 1 MiB, as docs/fsdp.md advises for a run that memory limits
                 result = run(launch(copy, nproc, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
                              timeout=3600, cwd=Path(tmp), env={"MEMORY": str(Path(tmp) / "memory" / second),
                                                                "GPT2_CONFIG": config, "TOKENS": str(args.tokens),

@@ -85,7 +85,7 @@ def mixed_precision(tmp: Path) -> None:
           f"max weight difference {d:.2e}, same loss scale {same_scale}")
 
 
-def fsdp(tmp: Path) -> None:
+def fully_sharded(tmp: Path) -> None:
     """FSDP over nccl trains what DDP trains, in float32, bfloat16, and with offload and recomputation."""
     run(torchrun(1, "distributed_fsdp.py", *EXACT, "--output-dir", tmp / "fsdp"))
     d = max_weight_difference(tmp / "fsdp", tmp / "ddp")
@@ -173,13 +173,8 @@ def a_stream_on_the_gpu(tmp: Path) -> None:
     check("a stream: distributed_fsdp.py == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
 
 
-def tasks(tmp: Path) -> None:
-    your_task_on_the_gpu(tmp)
-    a_stream_on_the_gpu(tmp)
-
-
-SECTIONS = {"tasks": tasks, "launchers": launchers, "amp": mixed_precision, "fsdp": fsdp, "resnet": resnet,
-            "graphs": cuda_graphs}
+SECTIONS = {"task": your_task_on_the_gpu, "stream": a_stream_on_the_gpu, "launchers": launchers,
+            "amp": mixed_precision, "fsdp": fully_sharded, "resnet": resnet, "graphs": cuda_graphs}
 
 if __name__ == "__main__":
     main()

@@ -98,14 +98,14 @@ def torch_load(path):
 
 
 # each of 2 ranks: the checkpoint loaded everywhere, what it added to the rank's peak, and whether it equals the file
-RECEIVER = '''import resource, sys
+RECEIVER = '''import os, resource, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 sys.path.insert(0, sys.argv[2])
 import utils
 dist.init_process_group("gloo")
-before = int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 state = utils.load_checkpoint_everywhere(Path(sys.argv[1]), dist.get_rank())
 added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
 (got, spec), (want, want_spec) = tree_flatten(state), tree_flatten(torch.load(sys.argv[1], weights_only=True))
