@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 log = logging.getLogger("train")
 
 
-# ---------------------------------------------------------------- errors ----
+# ------------------------------------------------------- flags and errors ----
 
 class UsageError(Exception):
     """A mistake the user can fix: printed as one line, exit status 1."""
@@ -243,6 +243,11 @@ def unwrap(model: nn.Module) -> nn.Module:  # the plain module inside DDP / Data
     return model if inner is None else unwrap(inner)
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of an FSDP parameter (a DTensor), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 # --------------------------------------------------- any batch, any task ----
 
 class Counted(functools.partial):
@@ -277,13 +282,6 @@ def class_indices(outputs, targets) -> bool:
     return (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.is_floating_point()
             and not (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool)
             and outputs.dim() == targets.dim() + 1 and outputs.shape[:1] + outputs.shape[2:] == targets.shape)
-
-
-def is_default_loss(compute_loss: Callable) -> bool:
-    """Is compute_loss the default F.cross_entropy(outputs, targets), with no other name or constant (ignore_index=)?"""
-    code = getattr(compute_loss, "__code__", None)
-    return (code is not None and code.co_names == ("F", "cross_entropy")
-            and set(code.co_consts) <= {None, compute_loss.__doc__})
 
 
 # ------------------------------------------------------------------ data ----
@@ -387,7 +385,7 @@ def first_samples(loader: DataLoader, n: int) -> list:
     return [loader.dataset[i] for i in itertools.islice(loader.sampler or range(len(loader.dataset)), n)]
 
 
-# ------------------------------------------------------------- metering ----
+# -------------------------------------------------- metering and records ----
 
 class Meter:
     """An epoch's sums on this rank (loss, its items, correct and scored class targets, samples), time, data wait."""
@@ -529,6 +527,22 @@ def log_epoch(record: dict, epochs: int) -> None:
              f"{record['images_per_s']:.0f} img/s")
 
 
+def peak_memory_mb(device: torch.device) -> float:  # this rank's: on a GPU allocated, on the CPU resident (KiB)
+    return (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """MB: peak memory; parameters, gradients, optimizer state held by this rank."""
+    mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
+    params = list(model.parameters())
+    return dict(peak_mem_mb=peak_memory_mb(device), params_mb=mb(params),
+                grads_mb=mb(p for p in params if p.requires_grad),
+                optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
+
+
+# ---------------------------------- checks: one line for what would fail ----
+
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
     """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save shows or keeps it."""
     finite = all(math.isfinite(value) for key, value in (record or {}).items() if key.endswith("_loss"))
@@ -602,23 +616,11 @@ def check_class_targets(outputs, targets) -> None:
                              f"the model's {classes} outputs: check num_classes, or replace compute_loss")
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: its shard of an FSDP parameter (a DTensor), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def peak_memory_mb(device: torch.device) -> float:  # this rank's: on a GPU allocated, on the CPU resident (KiB)
-    return (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-
-
-def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
-    """MB: peak memory; parameters, gradients, optimizer state held by this rank."""
-    mb = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20  # noqa: E731
-    params = list(model.parameters())
-    return dict(peak_mem_mb=peak_memory_mb(device), params_mb=mb(params),
-                grads_mb=mb(p for p in params if p.requires_grad),
-                optimizer_mb=mb(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)))
+def is_default_loss(compute_loss: Callable) -> bool:
+    """Is compute_loss the default F.cross_entropy(outputs, targets), with no other name or constant (ignore_index=)?"""
+    code = getattr(compute_loss, "__code__", None)
+    return (code is not None and code.co_names == ("F", "cross_entropy")
+            and set(code.co_consts) <= {None, compute_loss.__doc__})
 
 
 # ------------------------------------- optimizer, schedule, weight average ----
