@@ -256,7 +256,7 @@ def main():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
-                    records.epoch(record)  # metrics.jsonl (and W&B)
+                    records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
                 utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict(), "ema": ema.state_dict(),
                                        "scaler": scaler.state_dict(),
@@ -293,7 +293,6 @@ def main():
                       **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record)
-        utils.log_epoch(record, args.epochs)
     with utils.errors_shared_by_all_ranks():  # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
         if rank == 0:
             utils.save_pretrained(utils.unwrap(model), output_dir / "hf")

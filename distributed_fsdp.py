@@ -432,7 +432,7 @@ def main():
         with utils.errors_shared_by_all_ranks():  # agreed before the sharded save, a collective, begins
             utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
             if rank == 0 and record:  # first: a crash before the checkpoint is written redoes the epoch
-                records.epoch(record)  # metrics.jsonl (and W&B)
+                records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
         with utils.errors_shared_by_all_ranks():
             save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
         for name in ["model", "model_ema"][:1 + bool(args.ema)] if final else []:  # --ema: the average's twin
@@ -475,7 +475,6 @@ def main():
                       **utils.memory_mb(model, optimizer, device),
                       tflops=flops_per_sample * record["images_per_s"] / 1e12)
         save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
-        utils.log_epoch(record, args.epochs)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

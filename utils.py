@@ -506,10 +506,13 @@ class StepRecords:
                 self.writer.flush()  # on disk before a later checkpoint: a kill loses no point the checkpoint keeps
 
     def epoch(self, record: dict) -> None:
-        """On rank 0: the epoch's line in metrics.jsonl, whole or not at all, and in W&B at the epoch's last step."""
+        """On rank 0: the epoch's line in metrics.jsonl (whole or not at all), in W&B at its last step, then printed."""
         append_metrics(self.path.with_name("metrics.jsonl"), record)
         self.to_wandb({f"epoch/{key}": value for key, value in record.items()}, record["epoch"] * self.steps_per_epoch,
                       "epoch", record["epoch"])
+        shown = numbers(record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
+        log.info(f"epoch {record['epoch']}/{self.args.epochs} {shown} time {record['epoch_time_s']:.1f}s "
+                 f"{record['images_per_s']:.0f} img/s")
 
     def to_wandb(self, values: dict, global_step: int, key: str, position: int) -> None:
         if self.wandb and position > self.logged[key]:  # not what W&B got before a stop
@@ -519,12 +522,6 @@ class StepRecords:
 def numbers(record: dict, *keys: str) -> str:  # "key value ..." of keys (all by default); losses and accuracies
     return " ".join(f"{k} {record[k]:.4{'f' if re.search('(loss|acc)(_ema)?$', k) else 'g'}}" for k in keys or record
                     if record.get(k) is not None)  # to 4 decimals, the rest to 4 digits
-
-
-def log_epoch(record: dict, epochs: int) -> None:
-    shown = numbers(record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
-    log.info(f"epoch {record['epoch']}/{epochs} {shown} time {record['epoch_time_s']:.1f}s "
-             f"{record['images_per_s']:.0f} img/s")
 
 
 def peak_memory_mb(device: torch.device) -> float:  # this rank's: on a GPU allocated, on the CPU resident (KiB)
