@@ -90,6 +90,9 @@ def test_the_readme_main_job_learns(tmp_path):
     assert "world size 2" in result.stdout
     final = metrics(tmp_path)[-1]
     assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, final  # ten classes: chance is 0.1
+    for m in metrics(tmp_path):  # each epoch's line printed once, by rank 0, with the numbers of all ranks
+        shown = " ".join(f"{k} {m[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema"))
+        assert result.stdout.count(f"epoch {m['epoch']}/{len(metrics(tmp_path))} {shown} time ") == 1, shown
 
 
 def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
