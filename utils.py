@@ -172,18 +172,19 @@ def check_batch_size(batch_size: int, parts: int, what: str) -> int:
     return batch_size // parts
 
 
-def rendezvous_store(init_method: str | None, rank: int, world_size: int,
-                     timeout: datetime.timedelta) -> dist.Store | None:
-    """The key-value store where the processes meet, for init_process_group(store=...); None: its env://."""
+def rendezvous_store(init_method: str | None, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The key-value store where the processes meet, for init_process_group(store=...)."""
     if init_method is None:
         return dist.HashStore()  # a world of one needs no network
     url = urlparse(init_method)
     if url.scheme == "file":
         return dist.FileStore(url.path, world_size)
     if url.scheme == "env":
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept or new on a restart:
-            return None  # PyTorch's own env:// knows which (PyTorch issue 135712)
-        url = urlparse(f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")  # Slurm, or set by hand
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts the store
+            agent_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            return fresh_namespace(agent_store, rank, world_size, timeout)
+        url = urlparse(f"tcp://{host}:{port}")  # Slurm, or MASTER_ADDR set by hand
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise UsageError(f"cannot use {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
     try:  # rank 0 listens on the given address only: TCPStore alone would listen on every interface
@@ -194,6 +195,27 @@ def rendezvous_store(init_method: str | None, rank: int, world_size: int,
         raise UsageError(f"cannot listen on tcp://{url.hostname}:{url.port}: {reason}") from None
     return dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
                          timeout=timeout, master_listen_fd=listen_fd)
+
+
+def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """A part of store no earlier group of this job wrote to: rank 0 draws a generation, answers each rank's token."""
+    # torchrun keeps its store across worker restarts, whose count differs between nodes (PyTorch issue 135712)
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        generation, answered = store.add("ddp/generation", 1), set()
+        while (joined := store.add(f"ddp/{generation}/joined", 0)) < world_size - 1:
+            hellos = [f"ddp/hello/{r}" for r in range(1, world_size)]
+            for token in set(store.multi_get([k for k in hellos if store.check([k])])) - answered:
+                store.set(f"ddp/answer/{token.decode()}", str(generation))
+                answered.add(token)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {joined + 1} of {world_size} processes arrived within {timeout}")
+            time.sleep(0.01)
+    else:
+        store.set(f"ddp/hello/{rank}", token := uuid.uuid4().hex)
+        generation = int(store.get(f"ddp/answer/{token}"))  # waits for rank 0's answer
+        store.add(f"ddp/{generation}/joined", 1)
+    return dist.PrefixStore(f"ddp/{generation}/", store)
 
 
 def describe_init_error(error: Exception, init_method: str) -> str:
