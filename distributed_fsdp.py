@@ -18,7 +18,6 @@ import contextlib
 import errno
 import os
 import shutil
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,12 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-try:  # FSDP2's fully_shard is public from PyTorch 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-except ImportError:  # one write a line: every rank says it at once
-    sys.stderr.write(f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not "
-                     f"{torch.__version__}\n")
-    sys.exit(1)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -131,6 +125,12 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
                                 device_id=device if "nccl" in backend else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+    if device.type == "cpu":  # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
+        average = torch.zeros(1)
+        dist.reduce_scatter_tensor(average, torch.ones(world_size), op=dist.ReduceOp.AVG)
+        if average.item() != 1:
+            raise UsageError(f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes would "
+                             f"train wrong: use a newer PyTorch (2.15 is tested)")
     return rank, local_rank, world_size, device
 
 

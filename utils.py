@@ -17,6 +17,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # nested tuples, lists, dicts
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+# an older one: a gloo process group could hang at exit (PyTorch PR 154976), a listening socket failed the tcp:// store
+if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):  # 2.8.0a0 (a container's build) counts as 2.8
+    sys.exit(f"error: the scripts need PyTorch 2.8 or newer, not {torch.__version__}: pip install -r requirements.txt")
+
 log = logging.getLogger("train")
 
 

@@ -262,3 +262,16 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     ("a1,a2", "a1"), ("rack2-[100-101]", "rack2-100")])
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
     assert utils.slurm_master_addr(nodelist) == first
+
+
+
+def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
+    """requirements.txt asks for 2.8: before it, a gloo process group could hang at exit (seen on 2.4.1 in about one
+    2-process run in 10) and the tcp:// store refused its listening socket. Here an older one is stood in for."""
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.7.1+cu126'\n")
+    for script in ["dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_amp.py",
+                   "distributed_grad_accum.py", "distributed_fsdp.py"]:
+        result = run(python(script, *TINY, "--output-dir", tmp_path / "out"), timeout=60, check=False,
+                     env={"PYTHONPATH": str(tmp_path)})
+        assert result.returncode == 1 and result.stderr == (
+            "error: the scripts need PyTorch 2.8 or newer, not 2.7.1+cu126: pip install -r requirements.txt\n"), script

@@ -375,15 +375,18 @@ def test_flags_of_ddp_end_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("error: --sync-bn and --find-unused-parameters are DDP's")
 
 
-def test_a_pytorch_without_fully_shard_is_named_in_one_line(tmp_path):
-    """fully_shard is public from PyTorch 2.6 (requirements.txt allows 2.4): an older one, here one whose
-    torch.distributed.fsdp lacks it, ends with the version needed instead of an ImportError's traceback."""
-    (tmp_path / "sitecustomize.py").write_text("import torch.distributed.fsdp as f\ndel f.fully_shard\n")
-    result = run(python("distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=60, check=False,
-                 env={"PYTHONPATH": str(tmp_path)})
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"error: distributed_fsdp.py needs PyTorch 2.6 or newer for fully_shard (FSDP2), not {torch.__version__}")
+def test_a_gloo_that_sums_for_the_average_is_named_in_one_line_on_every_rank(tmp_path):
+    """FSDP averages the gradients with reduce_scatter(AVG); PyTorch 2.8's gloo sums instead (seen: 2.0 for two
+    ranks' 1.0), so 2 CPU processes took steps twice too large. That gloo is stood in for here."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import torch.distributed as dist\n"
+        "summed = dist.reduce_scatter_tensor\n"
+        "def older(output, input, op=dist.ReduceOp.SUM, **kwargs):\n"
+        "    return summed(output, input, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, **kwargs)\n"
+        "dist.reduce_scatter_tensor = older\n")
+    result = run(torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=120,
+                 check=False, env={"PYTHONPATH": str(tmp_path)})
+    ends_every_rank_with(result, f"error: PyTorch {torch.__version__}'s gloo sums where FSDP averages")
 
 
 YOUR_MODEL_BEYOND_THE_MACHINE = '''
