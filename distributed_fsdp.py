@@ -342,14 +342,14 @@ def latest_checkpoint(directory: Path, rank: int) -> str | None:
 
 def load_sharded(path: str, state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill state (and the model and optimizer) from a checkpoint written by any number of processes."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if any(key.startswith("optimizer.state.") for key in saved):  # none before the first optimizer step
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # what to load into: this rank's shards
-    try:
+    try:  # every rank reads the same files, so all fail alike: a broken .metadata, a missing key, another model
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if any(key.startswith("optimizer.state.") for key in saved):  # none before the first optimizer step
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # what to load into: this rank's shards
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # a missing key, another model: many types
-        raise UsageError(f"{path} does not fit this model or these flags ({utils.first_line(e)}): use another "
-                         f"--output-dir") from None
+    except Exception as e:  # many types
+        raise UsageError(f"{path} is not readable or does not fit this model or these flags ({utils.first_line(e)}): "
+                         f"use another --output-dir") from None
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -369,6 +369,15 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint
     assert max_weight_difference(out, fsdp["two"]) <= 1e-6
 
 
+def test_a_sharded_checkpoint_that_cannot_be_read_ends_every_rank_with_one_line(tmp_path):
+    """A sharded checkpoint whose .metadata is broken (a disk error, a copy cut short) is named in one line on every
+    rank, as a broken checkpoint.pt is, never a traceback from the continuation."""
+    (tmp_path / "out" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint" / ".metadata").write_bytes(b"not a checkpoint")
+    result = run(torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=120, check=False)
+    ends_every_rank_with(result, f"error: {tmp_path / 'out' / 'checkpoint'} is not readable or does not fit this model")
+
+
 def test_flags_of_ddp_end_in_one_line(tmp_path):
     result = run(python("distributed_fsdp.py", *TINY, "--sync-bn", "--output-dir", tmp_path), timeout=60, check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
