@@ -269,9 +269,10 @@ def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
     """requirements.txt asks for 2.8: before it, a gloo process group could hang at exit (seen on 2.4.1 in about one
     2-process run in 10) and the tcp:// store refused its listening socket. Here an older one is stood in for."""
     (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.7.1+cu126'\n")
-    for script in ["dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_amp.py",
-                   "distributed_grad_accum.py", "distributed_fsdp.py"]:
-        result = run(python(script, *TINY, "--output-dir", tmp_path / "out"), timeout=60, check=False,
-                     env={"PYTHONPATH": str(tmp_path)})
+    scripts = ["dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_amp.py",
+               "distributed_grad_accum.py", "distributed_fsdp.py"]
+    results = run_parallel([(python(script, *TINY, "--output-dir", tmp_path / "out"), {"PYTHONPATH": str(tmp_path)})
+                            for script in scripts], timeout=60, check=False)
+    for script, result in zip(scripts, results):
         assert result.returncode == 1 and result.stderr == (
             "error: the scripts need PyTorch 2.8 or newer, not 2.7.1+cu126: pip install -r requirements.txt\n"), script
