@@ -88,11 +88,12 @@ def readme_main_job(output_dir) -> list:
 def test_the_readme_main_job_learns(tmp_path):
     result = run(readme_main_job(tmp_path), timeout=300)
     assert "world size 2" in result.stdout
-    final = metrics(tmp_path)[-1]
+    records = metrics(tmp_path)
+    final = records[-1]
     assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, final  # ten classes: chance is 0.1
-    for m in metrics(tmp_path):  # each epoch's line printed once, by rank 0, with the numbers of all ranks
+    for m in records:  # each epoch's line printed once, by rank 0, with the numbers of all ranks
         shown = " ".join(f"{k} {m[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema"))
-        assert result.stdout.count(f"epoch {m['epoch']}/{len(metrics(tmp_path))} {shown} time ") == 1, shown
+        assert result.stdout.count(f"epoch {m['epoch']}/{len(records)} {shown} time ") == 1, shown
 
 
 def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
@@ -262,7 +263,6 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     ("a1,a2", "a1"), ("rack2-[100-101]", "rack2-100")])
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
     assert utils.slurm_master_addr(nodelist) == first
-
 
 
 def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
