@@ -24,7 +24,7 @@ if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):  # 2.8.0a0 (a con
 log = logging.getLogger("train")
 
 
-# ------------------------------------------------------- flags and errors ----
+# ------------------------------------------------------ flags and errors ----
 
 class UsageError(Exception):
     """A mistake the user can fix: printed as one line, exit status 1."""
@@ -646,7 +646,7 @@ def is_default_loss(compute_loss: Callable) -> bool:
             and set(code.co_consts) <= {None, compute_loss.__doc__})
 
 
-# ------------------------------------- optimizer, schedule, weight average ----
+# ----------------------------------- optimizer, schedule, weight average ----
 
 def build_optimizer(params, args) -> torch.optim.Optimizer:
     """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
@@ -720,7 +720,7 @@ class EMA:
                                                          for name, tensor in state["average"].items()}
 
 
-# ---------------------------------------------- stops, checkpoints and metrics ----
+# ---------------------------------------- stops, checkpoints and metrics ----
 
 class StopSignal:
     """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks agree on steps."""
