@@ -113,11 +113,11 @@ class Case:
     stream: str = ""  # a stream (STREAM_CODE) read as the scripts read it "now", or as they did "before"
 
 
-def cases(quick: bool, gpus: int) -> list[Case]:
+def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
     n = max(gpus, 1) if not quick else 2
     if quick:  # CPU: each rank gets one core
         one = {"OMP_NUM_THREADS": "1"}
-        return [
+        rows = [
             Case("no DDP (dataparallel.py on CPU), 1 process", "dataparallel.py", 1, [], "python", one),
             Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
             Case("DDP, 2 processes", "distributed.py", 2),
@@ -138,6 +138,7 @@ def cases(quick: bool, gpus: int) -> list[Case]:
             Case(f"{STREAM}, {COLLATE}: read by the main processes", "distributed.py", 2, ["--workers", "2"],
                  env={"DECODE_IN": "collate"}, stream="now"),
         ]
+        return [row for row in rows if before or row.stream != "before"]
     cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
     return [
         Case(TEXTBOOK + ", AMP float16", "tests/textbook.py", n),
@@ -340,8 +341,12 @@ def ema_ratio(results: dict[str, dict], ema: str, plain: str) -> str:
 def stream_ratio(results: dict[str, dict]) -> str:
     """A stream that decodes where it is read: read by the main processes against by every rank and worker."""
     everyone = f"every rank and worker ({STREAM_BEFORE})"
-    now, before, collated = (results[f"{STREAM}, {how}: read by {who}"] for how, who in (
+    now, before, collated = (results.get(f"{STREAM}, {how}: read by {who}") for how, who in (
         (MAP, "the main processes"), (MAP, everyone), (COLLATE, "the main processes")))
+    if before is None:  # --without-before: where the stream decodes, both read by the main processes
+        return (f"- streams: read by the main processes, decoded in collate / in its map = "
+                f"{collated['best'] / now['best']:.2f}x images/s, decodes per sample {collated['decodes']:.2f} "
+                f"and {now['decodes']:.2f}")
     median = now["images_per_s"] / before["images_per_s"]
     return (f"- streams: decoded in its map, read by the main processes / by every rank and worker = "
             f"{now['best'] / before['best']:.2f}x images/s (median runs {median:.2f}x), "
@@ -380,6 +385,10 @@ def main() -> None:
                         help="DataLoader workers per process (default: the scripts' own default)")
     parser.add_argument("--only", default=None, help="run only the case of this name, or those whose names contain it")
     parser.add_argument("--chart", default=None, metavar="PATH", help="also write images/s per approach as an SVG")
+    # the scripts of STREAM_BEFORE are history, not ours to fix: in a CI run on 2026-11-25 their validation waited on
+    # a DataLoader worker until the 300 s collective timeout (not again in 35 runs here); the tests leave them out
+    parser.add_argument("--without-before", action="store_true",
+                        help=f"leave out the stream row that runs the scripts of commit {STREAM_BEFORE}")
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
@@ -390,7 +399,7 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    all_cases = cases(args.quick, gpus)
+    all_cases = cases(args.quick, gpus, not args.without_before)
     exact = any(c.name == args.only for c in all_cases)  # an exact name picks that case alone
     selected = [c for c in all_cases if args.only is None or args.only == c.name
                 or (not exact and args.only in c.name)]
@@ -418,7 +427,7 @@ def main() -> None:
             print(agreement_ratio(results))
         if EMA in results:
             print(ema_ratio(results, EMA, "DDP, 2 processes"))
-    elif sum(name.startswith(STREAM) for name in results) == 3:  # --only stream
+    elif sum(name.startswith(STREAM) for name in results) >= 2:  # --only stream
         print("\n" + stream_ratio(results))
     elif not args.quick:  # the GPU mode's ratios, each where both of its rows ran
         print()
