@@ -139,11 +139,14 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     except KeyboardInterrupt:
         status = "interrupted"
     except (RuntimeError, ConnectionError, TimeoutError) as e:  # DistError is a RuntimeError
+        worker = str(e).startswith("DataLoader worker")  # killed (out of memory, of /dev/shm) or crashed in C code
         # gloo reports a dead peer or a timeout as a plain RuntimeError; any other is a bug: keep its traceback
-        if not (isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
+        if not (worker or isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
                 or re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
             raise
-        status = f"error: distributed communication failed: {first_line(e)}"
+        status = (f"error: {first_line(e.__cause__ or e).split('. ')[0].rstrip('.')}: lower --workers or --batch-size "
+                  f"where memory or /dev/shm ran out (docker run --shm-size), or see a crash with --workers 0" if worker
+                  else f"error: distributed communication failed: {first_line(e)}")
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
         if (wandb := sys.modules.get("wandb")) and wandb.run:  # its records on disk before os._exit below
             wandb.finish(exit_code=int(status != 0))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -61,6 +62,31 @@ def test_a_peer_dying_mid_collective_ends_the_other(tmp_path):
     assert time.monotonic() - started < 10 + 20  # within --timeout, plus a margin
     assert survivor.stderr.strip().splitlines()[-1].startswith("error: distributed communication failed")
     assert "Traceback" not in survivor.stderr
+
+
+def test_a_killed_data_loader_worker_ends_every_rank_with_one_line(tmp_path):
+    """A DataLoader worker of rank 0 dies of SIGBUS, as the kernel ends one whose shared memory (a container's small
+    /dev/shm) ran out: rank 0 says what to change, rank 1 that its peer is gone; no traceback (hand-started ranks:
+    torchrun prints one of its own)."""
+    for name in ("distributed.py", "utils.py", "builtin.py"):
+        source = (ROOT / name).read_text()
+        if name == "distributed.py":
+            default = "    return default_collate(samples)\n"
+            source = source.replace(default, "    if torch.utils.data.get_worker_info() and os.environ['RANK'] == '0':\n"
+                                             "        os.kill(os.getpid(), __import__('signal').SIGBUS)\n" + default)
+        (tmp_path / name).write_text(source)
+    args = [*TINY, "--workers", "2", "--ip", "127.0.0.1", "--port", free_port(), "--timeout", "20",
+            "--output-dir", tmp_path / "out"]
+    ranks = [start(python(tmp_path / "distributed.py", *args), {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    results = [finish(*rank, timeout=90) for rank in ranks]
+    for result in results:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    # PyTorch's own line from the dying worker ends in a NUL byte
+    last = [result.stderr.replace("\0", "").strip().splitlines()[-1] for result in results]
+    assert re.fullmatch(r"error: DataLoader worker \(pid \d+\) is killed by signal: Bus error: lower --workers or "
+                        r"--batch-size where memory or /dev/shm ran out \(docker run --shm-size\), or see a crash "
+                        r"with --workers 0", last[0]), results[0].stderr
+    assert last[1].startswith("error: distributed communication failed"), results[1].stderr
 
 
 def test_a_peer_that_never_comes_times_out(tmp_path):
