@@ -71,9 +71,10 @@ def select_devices(args) -> list[int]:
 
 
 def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader]:
-    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
+    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0)
+                  persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_sigterm)
     # one process loads the whole batch; DataParallel splits it over the GPUs
     if isinstance(train_set, IterableDataset):  # a stream, read here as the DDP scripts read it at world size 1
         train_sampler = utils.StreamSampler(train_set, args.batch_size, 0, 1)

@@ -104,9 +104,10 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
 
 def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
                   device) -> tuple[DataLoader, DataLoader]:
-    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
+    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0)
+                  persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_sigterm)
     if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
         # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
         train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)

@@ -403,7 +403,7 @@ def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
     rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
     return DataLoader(loader.dataset, loader.batch_size, sampler=rest, drop_last=loader.drop_last,
                       collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                      generator=loader.generator) if skip else loader
+                      generator=loader.generator, worker_init_fn=loader.worker_init_fn) if skip else loader
 
 
 def first_samples(loader: DataLoader, n: int) -> list:
@@ -755,6 +755,10 @@ class StopSignal:
             step, batch, ahead = step + 1, ahead, next(batches, None) if step + 1 < steps else None
         if step == 0:
             raise UsageError("the training data gave no full batch this epoch: lower --batch-size or use more data")
+
+
+def ignore_sigterm(worker_id: int) -> None:  # a DataLoader worker's: torchrun, Slurm, docker stop signal it too
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # where PyTorch's handler would end it, and the epoch unsaved
 
 
 @contextlib.contextmanager

@@ -58,6 +58,29 @@ def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path
     assert_same_records(steps(out), steps(long_straight), tolerance=1e-6)  # none twice, none missing
 
 
+def test_sigterm_to_torchrun_reaches_the_data_loader_workers_and_still_saves_where_every_rank_stopped(
+        tmp_path, long_straight):
+    """SIGTERM to torchrun (as Kubernetes and docker stop send it; Slurm signals every process of a step): torchrun
+    passes it to each rank's whole process group, DataLoader workers too, which leave it to the rank that saves."""
+    out = tmp_path / "preempted"
+    command = torchrun(2, "distributed.py", *LONG, "--workers", "2", "--output-dir", out)
+    proc, marker = start(command)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), 120, "the first checkpoint")
+    time.sleep(0.5)  # into epoch 2
+    assert proc.poll() is None, "finished before the signal: make the epochs longer"
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, marker, timeout=60)
+    epoch, step = saved_position(out)
+    assert epoch == 1 and 0 < step < 250, (epoch, step)
+    line = f"stopped by SIGTERM after step {step}/250 of epoch 2, saved: the same command continues from there"
+    assert result.stderr.count(line) == 2, result.stderr  # each rank's (torchrun's own traceback follows)
+    assert "DataLoader worker" not in result.stderr, result.stderr
+
+    run(command)  # with workers, as the straight run without: the same batches
+    assert max_weight_difference(out, long_straight) <= 1e-6
+    assert_same_records(steps(out), steps(long_straight), tolerance=1e-6)
+
+
 @pytest.mark.parametrize("script, extra", [
     ("distributed_mp.py", ["--nproc", "2"]),  # the parent passes the signal on to its children
     ("distributed_amp.py", ["--amp-dtype", "bfloat16"]),
