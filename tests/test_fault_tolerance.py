@@ -10,6 +10,7 @@ import time
 
 from processes import (LONG, PYTHON, ROOT, TINY, assert_same_records, finish, free_port, max_weight_difference,
                        metrics, python, run, start, steps, torchrun, training_processes, wait_for)
+from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions
 
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
 SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]
@@ -68,16 +69,17 @@ def test_a_killed_data_loader_worker_ends_every_rank_with_one_line(tmp_path):
     """A DataLoader worker of rank 0 dies of SIGBUS, as the kernel ends one whose shared memory (a container's small
     /dev/shm) ran out: rank 0 says what to change, rank 1 that its peer is gone; no traceback (hand-started ranks:
     torchrun prints one of its own)."""
-    for name in ("distributed.py", "utils.py", "builtin.py"):
-        source = (ROOT / name).read_text()
-        if name == "distributed.py":
-            default = "    return default_collate(samples)\n"
-            source = source.replace(default, "    if torch.utils.data.get_worker_info() and os.environ['RANK'] == '0':\n"
-                                             "        os.kill(os.getpid(), __import__('signal').SIGBUS)\n" + default)
-        (tmp_path / name).write_text(source)
-    args = [*TINY, "--workers", "2", "--ip", "127.0.0.1", "--port", free_port(), "--timeout", "20",
+    dies = YOUR_CLASSIFICATION + """
+
+def collate(samples):
+    if torch.utils.data.get_worker_info() and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), __import__("signal").SIGBUS)
+    return default_collate(samples)
+"""
+    script = copy_with_your_functions("distributed.py", tmp_path / "copy", dies)
+    args = [*COMMON, "--workers", "2", "--ip", "127.0.0.1", "--port", free_port(), "--timeout", "20",
             "--output-dir", tmp_path / "out"]
-    ranks = [start(python(tmp_path / "distributed.py", *args), {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+    ranks = [start(python(script, *args), {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
     results = [finish(*rank, timeout=90) for rank in ranks]
     for result in results:
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
