@@ -72,9 +72,11 @@ def select_devices(args) -> list[int]:
 
 def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader]:
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
-    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them
+    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
+    # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=utils.ignore_sigterm)
+                  persistent_workers=args.workers > 0, worker_init_fn=utils.init_worker,
+                  multiprocessing_context=utils.worker_start(args.workers))
     # one process loads the whole batch; DataParallel splits it over the GPUs
     if isinstance(train_set, IterableDataset):  # a stream, read here as the DDP scripts read it at world size 1
         train_sampler = utils.StreamSampler(train_set, args.batch_size, 0, 1)
@@ -150,6 +152,7 @@ def main():
     with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
         if rank == 0:
             utils.check_output_dir(output_dir)
+    utils.Watchdog(args.timeout, output_dir, rank)  # from here a rank stalled --timeout s ends every rank
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")

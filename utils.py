@@ -1,8 +1,9 @@
 """What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
 from __future__ import annotations
 
-import argparse, contextlib, datetime, errno, functools, gc, hashlib, importlib, inspect, itertools, json
-import logging, math, os, pickle, re, resource, shutil, signal, socket, sys, tempfile, time, uuid
+import argparse, contextlib, datetime, errno, faulthandler, functools, gc, hashlib, importlib, inspect, itertools
+import json, logging, math, multiprocessing, multiprocessing.connection, multiprocessing.forkserver, os, pickle, re, resource, shutil, signal, socket, sys, sysconfig
+import tempfile, threading, time, traceback, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -10,6 +11,10 @@ from urllib.parse import urlparse
 # PyTorch's C++ side logs rendezvous retries with stack dumps; our errors say it in one
 # line. Must be set before torch loads; TORCH_CPP_LOG_LEVEL=INFO shows everything again.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+# a rank that ends at once (an error, a stall) leaves its forkserver workers' named semaphores to the resource
+# tracker, which frees them, and would warn about each run on stderr
+if "ignore:resource_tracker" not in os.environ.get("PYTHONWARNINGS", ""):
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker"]))
 import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
@@ -127,6 +132,7 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     """Run main(); a user's error ends in one line, said (printed, or to distributed_mp.py's parent), exit 1."""
     # a line in one write(): print() writes the newline apart, so lines of ranks failing at once could run together
     status: int | str = 0
+    Watchdog.say = say
     try:
         main()
     except Stopped as e:
@@ -139,15 +145,21 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     except KeyboardInterrupt:
         status = "interrupted"
     except (RuntimeError, ConnectionError, TimeoutError) as e:  # DistError is a RuntimeError
-        worker = str(e).startswith("DataLoader worker")  # killed (out of memory, of /dev/shm) or crashed in C code
+        # a worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset's tensors too large for /dev/shm
+        worker = str(e).startswith("DataLoader worker") or "unable to write to file </torch_" in str(e)
         # gloo reports a dead peer or a timeout as a plain RuntimeError; any other is a bug: keep its traceback
         if not (worker or isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
                 or re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
-            raise
-        status = (f"error: {first_line(e.__cause__ or e).split('. ')[0].rstrip('.')}: lower --workers or --batch-size "
-                  f"where memory or /dev/shm ran out (docker run --shm-size), or see a crash with --workers 0" if worker
-                  else f"error: distributed communication failed: {first_line(e)}")
+            status = traceback.print_exc() or 1
+        else:
+            status = (f"error: {first_line(e.__cause__ or e).split('. ')[0].rstrip('.')}: lower --workers or "
+                      f"--batch-size where memory or /dev/shm ran out (docker run --shm-size), or see a crash with "
+                      f"--workers 0" if worker else f"error: distributed communication failed: {first_line(e)}")
+    except Exception:  # a bug, the user's or ours: its traceback, then os._exit below (no exit that waits on workers)
+        status = traceback.print_exc() or 1
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
+        if Watchdog.active:  # a watchdog ending the run (this error followed from the stall) ends it alone
+            Watchdog.active.close()
         if (wandb := sys.modules.get("wandb")) and wandb.run:  # its records on disk before os._exit below
             wandb.finish(exit_code=int(status != 0))
         gc.collect()  # free them and their process groups while the interpreter is whole
@@ -277,6 +289,186 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+# ---------------------------------------------- the watchdog: no silent hang ----
+
+class Watchdog:
+    """A rank that makes no progress for --timeout seconds (no batch of training or validation: batch_to_device notes
+    each; a compile or a save counts as progress) ends every rank a few seconds later, each saying one line: which
+    rank stalled, at which step, and the line of the user's code or the script its main thread is in. The ranks learn
+    of each other through the rendezvous store, never a collective (that is what waits): a beat every few seconds,
+    none per step. Each rank writes the stacks of its threads, and of its DataLoader workers, to OUTPUT_DIR/stalls/."""
+
+    active: Watchdog | None = None  # this process's: batch_to_device notes progress on it, run_main closes it
+    say: Callable[[str], object] = print  # run_main's: the line to the console, or to distributed_mp.py's parent
+    grace = datetime.timedelta(seconds=30)  # collectives wait this much longer than --timeout: the watchdog ends first
+
+    def __init__(self, timeout: float, output_dir: Path, rank: int):
+        self.timeout, self.dir, self.rank, self.key, self.validating = timeout, Path(output_dir) / "stalls", rank, None, False
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # the store the process group met in, under a prefix of its own (a torchrun restart's is new)
+        self.store = dist.PrefixStore("watchdog/", dist.distributed_c10d._get_default_store()) if self.world > 1 else None
+        self.main, self.beats, self.closed, self.ending = threading.main_thread().ident, 0, False, False
+        self.moved = self.last = time.monotonic()  # this rank's last progress; any rank's, as far as it knows
+        self.progressed = False  # since the last beat
+        Watchdog.active = self
+        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    def progress(self, key: tuple[int, int] | None) -> None:  # a batch: (epoch, step) of training, None of validation
+        self.moved = self.last = time.monotonic()
+        self.progressed, self.validating, self.key = True, key is None and self.key is not None, key or self.key
+
+    def watch(self) -> None:
+        beat = min(2.0, self.timeout / 10)  # a store round trip this often at most
+        while not self.closed:
+            time.sleep(beat)
+            # a C call that holds the GIL stops this thread too: faulthandler's own thread then dumps and ends it
+            faulthandler.dump_traceback_later(self.timeout + 2 * self.grace.total_seconds(), exit=True)
+            if BUSY.search("".join(f"{f.filename}:{f.name} " for f in self.main_stack())):  # compiling, saving
+                self.moved = self.last = time.monotonic()
+                self.progressed = True
+            alarm = time.monotonic() - self.last >= self.timeout
+            try:
+                if self.store and not alarm:  # a beat of every rank that moved; any rank's move is everyone's
+                    beats = self.store.add("beats", int(self.progressed))
+                    self.progressed, alarm = False, self.store.check(["alarm"])
+                    if beats != self.beats:  # some rank moved: not a stall, though this one waits
+                        self.beats, self.last = beats, time.monotonic()
+                if alarm and not self.closed:
+                    self.end()
+            except RuntimeError:  # the store's host has ended (the run's end): nothing left to watch
+                return
+
+    def main_stack(self) -> list[traceback.FrameSummary]:
+        frame = sys._current_frames().get(self.main)
+        return traceback.extract_stack(frame) if frame else []
+
+    def end(self) -> None:
+        """Write this rank's report and stacks, read every rank's, say the line, end: within a few seconds."""
+        self.ending = True
+        reports = [dict(rank=self.rank, seconds=round(time.monotonic() - self.moved), seq=collectives_started(),
+                        position=self.position(), where=self.where(self.write_stacks()))]
+        with contextlib.suppress(RuntimeError):  # the store's host has ended: this rank's report alone
+            if self.store:
+                self.store.add("alarm", 1)
+                self.store.set(f"report/{self.rank}", json.dumps(reports[0]))
+                keys = [f"report/{r}" for r in range(self.world)]
+                wait_until(lambda: self.store.check(keys), 5)  # the others see the alarm within a beat
+                reports = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+                self.store.add("read", 1)  # the store's host (rank 0, for tcp://) ends once every rank has read
+                wait_until(lambda: self.store.add("read", 0) >= self.world, 5)
+        Watchdog.say(stall_line(reports, self.world, self.timeout, self.dir))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def position(self) -> str:
+        if self.key is None:
+            return "before training"
+        epoch_step = f"step {self.key[1]} of epoch {self.key[0] + 1}"
+        return f"in validation after {epoch_step}" if self.validating else f"at {epoch_step}"
+
+    def write_stacks(self) -> list[traceback.FrameSummary]:
+        """Every thread's stack, and every DataLoader worker's, to stalls/rankR.txt; the frames where this rank is."""
+        frames, lines = self.main_stack(), []
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != self.main):  # main first
+            if ident != threading.get_ident():  # not this thread's, which only writes them
+                lines += [f"rank {self.rank}, thread {names.get(ident, ident)}:\n", *traceback.format_stack(frame), "\n"]
+        if any(f.name == "_try_get_data" for f in frames):  # waiting for a DataLoader worker: what do its workers do?
+            for pid, worker_frames, text in worker_stacks():
+                lines += [f"rank {self.rank}, DataLoader worker (pid {pid}):\n", text, "\n"]
+                if user_frame(worker_frames):
+                    frames = worker_frames  # the worker's line is the one to name
+        with contextlib.suppress(OSError):  # a full or read-only disk: the line still comes
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / f"rank{self.rank}.txt").write_text("".join(lines))
+        return frames
+
+    @staticmethod
+    def where(frames: list[traceback.FrameSummary]) -> str:
+        frame = user_frame(frames) or (frames[-1] if frames else None)
+        worker = " in a DataLoader worker" if "_worker_loop" in {f.name for f in frames} else ""
+        return f"in {frame.name} ({Path(frame.filename).name}:{frame.lineno}){worker}" if frame else "where unknown"
+
+    def close(self) -> None:  # main() has ended: a watchdog that is ending the run finishes it, else it stops
+        self.closed = True
+        faulthandler.cancel_dump_traceback_later()
+        while self.ending:
+            time.sleep(1)
+
+
+# a compile (not a frame of torch._dynamo.disable's wrapper, which much of torch runs through) or a save: progress
+BUSY = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/|torch/serialization\.py|"
+                  r"torch/distributed/checkpoint/|safetensors|save_pretrained")
+LIBRARIES = tuple({*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+                   str(Path(torch.__file__).parents[1])})  # torch's folder too, wherever it is installed
+
+
+def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code or the script (one of utils.py's if none): not a library's."""
+    ours = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
+    return next((f for f in reversed(ours) if f.filename != __file__), ours[-1] if ours else None)
+
+
+def collectives_started() -> int:  # by this rank, in all its groups: the rank with fewest is the one the others wait for
+    with contextlib.suppress(RuntimeError, AttributeError):
+        return sum(group._get_sequence_number_for_group() for group in dist.distributed_c10d._world.pg_map)
+    return 0
+
+
+def stall_line(reports: list[dict], world: int, timeout: float, stacks: Path) -> str:
+    """The one line every rank says: the ranks that stalled (that started fewest collectives, or did not answer)."""
+    seqs, answered = {r["seq"] for r in reports}, {r["rank"] for r in reports}
+    # a rank that did not answer is the one; else those behind the others, else (all in one place) every rank
+    stalled = [r for r in reports if r["seq"] == min(seqs) and (len(seqs) > 1 or len(answered) == world)]
+    parts = [f"rank {r['rank']} made no progress for {max(r['seconds'], round(timeout))} s {r['position']}, "
+             f"{r['where']}" for r in stalled]
+    parts += [f"rank {r} did not answer (its main thread holds the GIL? it ends with its stacks on stderr)"
+              for r in range(world) if r not in answered]
+    if len(parts) < world:
+        parts.append(f"the other ranks waited for {'it' if len(parts) == 1 else 'them'} in a collective")
+    return f"error: {'; '.join(parts)}; every rank's stacks in {stacks}/"
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
+    """(pid, frames, text) of this process's DataLoader workers: each writes its stack when signalled (init_worker)."""
+    pids = [child.pid for child in multiprocessing.active_children()]
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+    paths = [worker_stack_path(pid) for pid in pids]
+    wait_until(lambda: all(p.exists() for p in paths), 2)
+    stacks = []
+    for pid, path in zip(pids, paths):
+        with contextlib.suppress(OSError, ValueError):
+            frames, text = json.loads(path.read_text())
+            stacks.append((pid, [traceback.FrameSummary(*f, lookup_line=False) for f in frames], text))
+            path.unlink()
+    return stacks
+
+
+def worker_stack_path(pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"dataloader-worker-{pid}.stack.json"
+
+
+def init_worker(worker_id: int) -> None:
+    """A DataLoader worker's start: it leaves SIGTERM to its rank (torchrun, Slurm, docker stop signal workers too,
+    where PyTorch's handler would end them, the epoch unsaved), and writes its stack when the watchdog asks."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, lambda signum, frame: write_atomically(worker_stack_path(os.getpid()), json.dumps(
+        [[(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)],
+         "".join(traceback.format_stack(frame))]).encode()))
+    # its parent is the forkserver, which PyTorch's worker loop watches: it ends itself when its rank has ended
+    rank = multiprocessing.parent_process()
+    threading.Thread(target=lambda: multiprocessing.connection.wait([rank.sentinel]) and os._exit(0), daemon=True,
+                     name="rank watch").start()
+
+
 # --------------------------------------------------- any batch, any task ----
 
 class Counted(functools.partial):
@@ -317,7 +509,10 @@ def class_indices(outputs, targets) -> bool:
 
 def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last: bool = False,
                     key: tuple[int, int] | None = None):
-    """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there."""
+    """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there. Each
+    call is progress for the watchdog: key, (epoch, step), for a training batch, None for a validation one."""
+    if Watchdog.active:
+        Watchdog.active.progress(key)
     inputs, targets = batch
     inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs  # a tokenizer's BatchEncoding: a plain dict
     inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
@@ -403,7 +598,30 @@ def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
     rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
     return DataLoader(loader.dataset, loader.batch_size, sampler=rest, drop_last=loader.drop_last,
                       collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                      generator=loader.generator, worker_init_fn=loader.worker_init_fn) if skip else loader
+                      generator=loader.generator, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context) if skip else loader
+
+
+def worker_start(workers: int):
+    """How DataLoader workers start: forked from a forkserver, a process of one thread that imported the script once
+    (the workers need not), never from a rank's process, whose other threads (gloo's, a stream library's) may hold a
+    lock of the interpreter at the fork and so deadlock the child. Tensors reach the workers in shared memory."""
+    if not workers:
+        return None
+    context = multiprocessing.get_context("forkserver")
+    # it imports, once, the script as a module (its imports: torch, the user's), the modules of its folder (builtin.py:
+    # torchvision, which unpickling the dataset needs) and utils; "__main__" it would not (Python passes no path)
+    folder = Path(getattr(sys.modules["__main__"], "__file__", None) or __file__).resolve().parent
+    files = [Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+    context.set_forkserver_preload(sorted({f.stem for f in files if f.parent == folder and f.stem.isidentifier()}
+                                          | {"utils"}))
+    path = os.environ.get("PYTHONPATH")  # where it finds them, whatever the working directory (it ignores sys.path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), str(Path(__file__).parent), path]))
+    try:
+        multiprocessing.forkserver.ensure_running()  # it imports them while this process builds the model
+    finally:
+        os.environ.pop("PYTHONPATH") if path is None else os.environ.update(PYTHONPATH=path)
+    return context
 
 
 def first_samples(loader: DataLoader, n: int) -> list:
@@ -423,7 +641,7 @@ class Meter:
         # continued mid-epoch: rank 0 holds what all ranks had summed at the checkpoint, so records go on as before
         self.before, self.recorded = (saved["sums"], saved["recorded"]) if saved else (torch.zeros(5).double(),) * 2
         self.sums = (self.before if rank == 0 else torch.zeros(5).double()).to(device, copy=True)
-        self.start, self.data_wait, self.pairs = time.perf_counter(), 0.0, False
+        self.start, self.data_wait, self.waited, self.pairs = time.perf_counter(), 0.0, 0.0, False  # waited: recorded
         self.mark = (self.start, self.before)  # when, and at which sums, the last record read the speed
 
     def update(self, loss, outputs, targets, samples: int) -> None:
@@ -448,13 +666,20 @@ class Meter:
         return loss_sum / max(items, 1), correct / scored if scored else None, int(samples)
 
     def since_record(self) -> dict:
-        """Loss, accuracy and speed (items of a (sum, count) loss too) since the last record; a collective."""
-        now, seconds, before = self.reduced(), time.perf_counter() - self.mark[0], self.mark[1]
+        """Loss, accuracy and speed (items of a (sum, count) loss too) since the last record, and the longest wait of
+        a rank for its data and that rank (the slow one); a collective."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        waits = torch.zeros(world, dtype=torch.float64, device=self.sums.device)
+        waits[rank] = self.data_wait - self.waited  # each rank its own place: the sum holds every rank's exactly
+        both, seconds, before = all_reduce(torch.cat([self.sums, waits])).cpu(), time.perf_counter() - self.mark[0], \
+            self.mark[1]
+        now, waits = both[:5], both[5:]
         loss, acc, _ = self.reduce(now - self.recorded)
         _, items, _, _, samples = (now - before).tolist()
-        self.recorded, self.mark = now, (time.perf_counter(), now)
+        self.recorded, self.mark, self.waited = now, (time.perf_counter(), now), self.data_wait
         return dict(train_loss=loss, train_acc=acc, images_per_s=samples / seconds,
-                    **({"items_per_s": items / seconds} if self.pairs else {}))
+                    **({"items_per_s": items / seconds} if self.pairs else {}),
+                    data_wait_max_s=waits.max().item(), data_wait_rank=int(waits.argmax()))
 
     def totals(self) -> dict:
         """The epoch's loss and accuracy over all ranks (a collective), its time and this run's speed."""
@@ -755,10 +980,6 @@ class StopSignal:
             step, batch, ahead = step + 1, ahead, next(batches, None) if step + 1 < steps else None
         if step == 0:
             raise UsageError("the training data gave no full batch this epoch: lower --batch-size or use more data")
-
-
-def ignore_sigterm(worker_id: int) -> None:  # a DataLoader worker's: torchrun, Slurm, docker stop signal it too
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # where PyTorch's handler would end it, and the epoch unsaved
 
 
 @contextlib.contextmanager

@@ -157,7 +157,8 @@ def steps(output_dir: Path) -> list[dict]:
     return metrics(output_dir, "steps.jsonl")
 
 
-MEASURED = {"epoch_time_s", "images_per_s", "items_per_s", "data_wait_s", "peak_mem_mb", "tflops"}  # vary per run
+MEASURED = {"epoch_time_s", "images_per_s", "items_per_s", "data_wait_s", "data_wait_max_s", "data_wait_rank",
+            "peak_mem_mb", "tflops"}  # vary per run
 
 
 def assert_same_records(records: list[dict], expected: list[dict], tolerance: float) -> None:

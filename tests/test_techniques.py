@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import utils
-from processes import (EVAL_EVERY, TINY, assert_same_records, max_weight_difference, metrics, python, run, steps,
+from processes import (EVAL_EVERY, MEASURED, TINY, assert_same_records, max_weight_difference, metrics, python, run, steps,
                        torchrun, weights)
 
 SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CPU
@@ -38,8 +38,7 @@ def test_float16_overflow_is_skipped_and_continues_exactly(tmp_path):
     assert first_epoch["skipped_steps"] >= 10 and first_epoch["loss_scale"] < 2.0 ** 30
     assert all(math.isfinite(v) for w in weights(tmp_path / "straight").values() for v in w.flatten().tolist())
     assert max_weight_difference(tmp_path / "straight", tmp_path / "resumed") <= 1e-6
-    measured = {"epoch_time_s", "images_per_s", "data_wait_s", "peak_mem_mb", "tflops"}  # vary per run
-    learned = [[{k: v for k, v in m.items() if k not in measured} for m in metrics(tmp_path / run)]
+    learned = [[{k: v for k, v in m.items() if k not in MEASURED} for m in metrics(tmp_path / run)]
                for run in ("straight", "resumed")]
     assert learned[0] == learned[1]  # losses, accuracies, skipped steps and loss scale alike
 

@@ -1,0 +1,171 @@
+"""No silent hang: a rank stuck in the user's code, in a DataLoader worker or in validation ends every rank within
+--timeout and a few seconds, and each says one line that names the stalled rank, its step and its line of code; a slow
+run that moves is no stall. DataLoader workers start from a forkserver, so that none can deadlock at its start."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from processes import PYTHON, ROOT, ends_every_rank_with, finish, run, start, steps
+from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
+
+TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
+BOUND = 12
+STUCK = 'time.sleep(float(os.environ["STALL_SECONDS"]))  # stuck: a deadlock, a read that never returns'
+
+# compute_loss and collate that stall at a chosen call, on rank 1 only
+YOURS = "import time\n" + YOUR_CLASSIFICATION.replace("""def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)""", f"""def on_rank_1():
+    return os.environ.get("RANK", str(dist.get_rank() if dist.is_initialized() else 0)) == "1"
+
+
+LOSSES = 0
+
+
+def compute_loss(outputs, targets):
+    global LOSSES
+    LOSSES += 1
+    if on_rank_1() and {{when_loss}}:
+        Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
+        {STUCK}
+    return F.cross_entropy(outputs, targets)
+
+
+COLLATES = 0
+
+
+def collate(samples):
+    global COLLATES
+    COLLATES += 1
+    if on_rank_1() and {{when_collate}}:
+        Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
+        {STUCK}
+    return default_collate(samples)""")
+
+CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags, the function the line names)
+    # the 4th loss: the start-up check's, then steps 1 to 3
+    "compute_loss": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
+    "collate": ("distributed.py", "False", "COLLATES == 6", [], "collate"),
+    "worker": ("distributed.py", "False", "torch.utils.data.get_worker_info() and COLLATES == 3", ["--workers", "2"],
+               "collate"),
+    "validation": ("distributed.py", "not torch.is_grad_enabled()", "False", [], "compute_loss"),
+    "fsdp": ("distributed_fsdp.py", "LOSSES == 4", "False", [], "compute_loss"),
+    "mp": ("distributed_mp.py", "LOSSES == 4", "False", [], "compute_loss"),
+    # steps of 0.6 x --timeout on one rank, the others waiting for it each time: slow, not stalled
+    "slow": ("distributed.py", "2 <= LOSSES <= 4", "False", ["--epochs", "1"], None),
+    # every batch of rank 1 a little late: its records name it the slow one
+    "slow_data": ("distributed.py", "False", "True", ["--epochs", "1", "--print-freq", "5"], None),
+}
+SECONDS = {"slow": 0.6 * TIMEOUT, "slow_data": 0.2}  # how long these sleep at each call; the others, for ever
+
+
+def user_code(name: str) -> str:
+    _, loss, collate, _, _ = CASES[name]
+    return YOURS.replace("{when_loss}", loss).replace("{when_collate}", collate)
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, float, Path]]:
+    """Every case run at once (they mostly sleep): (its result, seconds from its stall to its end, its output dir)."""
+    base, started = tmp_path_factory.mktemp("stalls"), {}
+    for name, (script, _, _, flags, _) in CASES.items():
+        copy = copy_with_your_functions(script, base / name / "copy", user_code(name))
+        out, stall_file = base / name / "out", base / name / "stalled_at"
+        cmd = launch(copy, 2, *COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags)
+        seconds = SECONDS.get(name, 3600)
+        started[name] = (*start(cmd, {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(seconds)}), stall_file, out)
+    ended, deadline = {}, time.monotonic() + 240
+    while len(ended) < len(started) and time.monotonic() < deadline:
+        for name, (proc, *_) in started.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.time()
+        time.sleep(0.1)
+    results = {}
+    for name, (proc, marker, stall_file, out) in started.items():
+        result = finish(proc, marker, timeout=1)  # a run still going after 240 s fails here, with its output
+        since = ended[name] - float(stall_file.read_text()) if stall_file.exists() else None
+        results[name] = (result, since, out)
+    return results
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in SECONDS])
+def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stalled, name):
+    result, since, out = stalled[name]
+    script, *_, function = CASES[name]
+    assert since is not None and since <= TIMEOUT + BOUND, (since, result.stderr)
+    # the line: rank 1, its epoch and step (the 4th loss is step 3's; validation after epoch 1's last step, 20)
+    position = {"validation": "in validation after step 20 of epoch 1", "collate": "at step 2 of epoch 1",
+                "worker": r"at step \d+ of epoch 1"}.get(name, "at step 3 of epoch 1")
+    lines = (out.parent / "copy" / script).read_text().splitlines()
+    begins = next(i for i, text in enumerate(lines) if text.startswith(f"def {function}("))
+    line_number = next(i for i, text in enumerate(lines[begins:], begins + 1) if STUCK in text)
+    worker = " in a DataLoader worker" if name == "worker" else ""
+    pattern = (rf"error: rank 1 made no progress for \d+ s {position}, in {function} \({script}:{line_number}\){worker}; "
+               rf"the other ranks waited for it in a collective; every rank's stacks in {re.escape(str(out))}/stalls/")
+    if name == "mp":  # the parent says its children's line once
+        assert result.returncode == 1 and re.fullmatch(pattern, result.stderr.strip().splitlines()[-1]), result.stderr
+    else:
+        ends_every_rank_with(result, "error: rank 1 made no progress")
+        assert all(re.fullmatch(pattern, line) for line in result.stderr.splitlines()
+                   if line.startswith("error:")), result.stderr
+    assert not re.search(r'File ".*/copy/', result.stderr), result.stderr  # no traceback through the user's copy
+    # every rank's stacks; the stalled one's show the user's function, in its worker where it waited for one
+    stacks = {rank: (out / "stalls" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert f"in {function}\n    {STUCK}" in stacks[1] and STUCK not in stacks[0], stacks[1]
+    assert ("DataLoader worker (pid" in stacks[1]) == (name == "worker")
+
+
+@pytest.mark.parametrize("name", SECONDS)
+def test_a_slow_run_is_no_stall(stalled, name):
+    result, since, out = stalled[name]
+    assert result.returncode == 0, result.stderr
+    assert not (out / "stalls").exists()
+
+
+def test_the_records_name_the_rank_that_waited_longest_for_its_data(stalled):
+    """Rank 1's batches come 0.2 s late each (its collate sleeps): every record says rank 1 waited about 5 x 0.2 s."""
+    records = [record for record in steps(stalled["slow_data"][2]) if "train_loss" in record]
+    assert len(records) == 4 and all(record["data_wait_rank"] == 1 for record in records), records
+    assert all(0.6 <= record["data_wait_max_s"] < 3 for record in records), records  # the last: 4 batches read
+
+
+def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
+    """Workers started 300 times on each of 2 ranks right after collectives whose tensors gloo's threads release (a thread of the
+    stream library running too), as the scripts start them: none stuck (each has 20 s for its first batch)."""
+    code = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})
+import utils, torch, torch.distributed as dist
+from torch.utils.data import DataLoader
+
+
+def monitor():  # a thread of the stream library (tqdm's monitor, say), awake now and then
+    while True:
+        time.sleep(0.001)
+
+
+def main():
+    dist.init_process_group("gloo")
+    threading.Thread(target=monitor, daemon=True).start()
+    for i in range(150):
+        works = [dist.all_reduce(torch.ones(1), async_op=True) for _ in range(8)]  # tensors only gloo holds
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, timeout=20, worker_init_fn=utils.init_worker,
+                            multiprocessing_context=utils.worker_start(2))
+        del works
+        next(iter(loader))
+    print("started", i + 1, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # the forkserver imports this file, as it imports a script
+    main()
+"""
+    script = tmp_path / "start_workers.py"
+    script.write_text(code)
+    result = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script], timeout=240)
+    assert result.stdout.count("started 150") == 2, result.stdout
