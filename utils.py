@@ -1,9 +1,28 @@
-"""What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data."""
+"""What the training scripts share and no approach owns; each script holds its recipe, builtin.py the demo data.
+
+Its sections, in this order:
+- flags and errors: the flags every script shares (build_parser, check_args), UsageError, and run_main, which ends
+  every error in one line;
+- logging: rank 0 prints progress, the other ranks warnings;
+- distributed: joining the group (rendezvous_store, fresh_namespace, describe_init_error), all_reduce, gathered,
+  unwrap, local;
+- the watchdog: no silent hang: Watchdog, which ends every rank within --timeout of a stall, naming the stalled
+  rank, its step and its line, with every rank's stacks in OUTPUT_DIR/stalls/; init_worker, a DataLoader worker's
+  start (it leaves SIGTERM to its rank and writes its stack when asked);
+- any batch, any task: Counted (samples per batch), forward, loss_for_backward, logits, class_indices;
+- data: batch_to_device (each batch is progress for the watchdog), StreamSampler, Samples, steps_per_epoch,
+  epoch_loader, worker_start (DataLoader workers from a forkserver), first_samples;
+- metering and records: Meter, StepRecords (steps.jsonl, TensorBoard, W&B), numbers, memory;
+- checks: one line for what would fail: check_finite, check_first_step, check_loss, check_class_targets;
+- optimizer, schedule, weight average: build_optimizer, warmup_cosine, EMA;
+- stops, checkpoints and metrics: StopSignal, errors_shared_by_all_ranks, checkpoints written atomically and sent
+  a tensor at a time, restore, save_pretrained, append_metrics.
+"""
 from __future__ import annotations
 
 import argparse, contextlib, datetime, errno, faulthandler, functools, gc, hashlib, importlib, inspect, itertools
-import json, logging, math, multiprocessing, multiprocessing.connection, multiprocessing.forkserver, os, pickle, re, resource, shutil, signal, socket, sys, sysconfig
-import tempfile, threading, time, traceback, uuid
+import json, logging, math, multiprocessing, multiprocessing.connection, multiprocessing.forkserver, os, pickle, re
+import resource, shutil, signal, socket, sys, sysconfig, tempfile, threading, time, traceback, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -110,6 +129,8 @@ def check_args(args: argparse.Namespace) -> None:
     adamw = args.optimizer == "adamw"  # SGD: the linear scaling rule (Goyal et al. 2017), 0.1 per 256 samples
     args.lr = (1e-3 if adamw else 0.1 * args.batch_size / 256) if args.lr is None else args.lr
     args.weight_decay = (0.01 if adamw else 5e-4) if args.weight_decay is None else args.weight_decay
+    if torch.cuda.is_available():  # NCCL's Flight Recorder: each rank's last collectives, for a stall's stalls/ folder
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     if args.workers is None:  # the cores each GPU can spare, one kept for the training loop itself
         gpus = torch.cuda.device_count()
         args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
@@ -145,16 +166,18 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     except KeyboardInterrupt:
         status = "interrupted"
     except (RuntimeError, ConnectionError, TimeoutError) as e:  # DistError is a RuntimeError
-        # a worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset's tensors too large for /dev/shm
+        # a worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset too large for /dev/shm
         worker = str(e).startswith("DataLoader worker") or "unable to write to file </torch_" in str(e)
         # gloo reports a dead peer or a timeout as a plain RuntimeError; any other is a bug: keep its traceback
         if not (worker or isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
                 or re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
             status = traceback.print_exc() or 1
         else:
-            status = (f"error: {first_line(e.__cause__ or e).split('. ')[0].rstrip('.')}: lower --workers or "
-                      f"--batch-size where memory or /dev/shm ran out (docker run --shm-size), or see a crash with "
-                      f"--workers 0" if worker else f"error: distributed communication failed: {first_line(e)}")
+            # PyTorch's own line is the cause where it saw the signal (a forked worker), else the error itself
+            said = e.__cause__ if str(e.__cause__).startswith("DataLoader worker") else e
+            status = (f"error: {first_line(said).split('. ')[0].rstrip('.')}: lower --workers or --batch-size where "
+                      f"memory or /dev/shm ran out (docker run --shm-size), or see a crash with --workers 0" if worker
+                      else f"error: distributed communication failed: {first_line(e)}")
     except Exception:  # a bug, the user's or ours: its traceback, then os._exit below (no exit that waits on workers)
         status = traceback.print_exc() or 1
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
@@ -289,7 +312,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-# ---------------------------------------------- the watchdog: no silent hang ----
+# ------------------------------------------ the watchdog: no silent hang ----
 
 class Watchdog:
     """A rank that makes no progress for --timeout seconds (no batch of training or validation: batch_to_device notes
@@ -303,10 +326,12 @@ class Watchdog:
     grace = datetime.timedelta(seconds=30)  # collectives wait this much longer than --timeout: the watchdog ends first
 
     def __init__(self, timeout: float, output_dir: Path, rank: int):
-        self.timeout, self.dir, self.rank, self.key, self.validating = timeout, Path(output_dir) / "stalls", rank, None, False
+        self.timeout, self.dir, self.rank = timeout, Path(output_dir) / "stalls", rank
+        self.key, self.validating = None, False  # where this rank is: the last training batch's (epoch, step)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # the store the process group met in, under a prefix of its own (a torchrun restart's is new)
-        self.store = dist.PrefixStore("watchdog/", dist.distributed_c10d._get_default_store()) if self.world > 1 else None
+        store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        self.store = store and dist.PrefixStore("watchdog/", store)
         self.main, self.beats, self.closed, self.ending = threading.main_thread().ident, 0, False, False
         self.moved = self.last = time.monotonic()  # this rank's last progress; any rank's, as far as it knows
         self.progressed = False  # since the last beat
@@ -336,6 +361,7 @@ class Watchdog:
                 if alarm and not self.closed:
                     self.end()
             except RuntimeError:  # the store's host has ended (the run's end): nothing left to watch
+                faulthandler.cancel_dump_traceback_later()
                 return
 
     def main_stack(self) -> list[traceback.FrameSummary]:
@@ -345,21 +371,23 @@ class Watchdog:
     def end(self) -> None:
         """Write this rank's report and stacks, read every rank's, say the line, end: within a few seconds."""
         self.ending = True
-        reports = [dict(rank=self.rank, seconds=round(time.monotonic() - self.moved), seq=collectives_started(),
-                        position=self.position(), where=self.where(self.write_stacks()))]
-        with contextlib.suppress(RuntimeError):  # the store's host has ended: this rank's report alone
-            if self.store:
-                self.store.add("alarm", 1)
-                self.store.set(f"report/{self.rank}", json.dumps(reports[0]))
-                keys = [f"report/{r}" for r in range(self.world)]
-                wait_until(lambda: self.store.check(keys), 5)  # the others see the alarm within a beat
-                reports = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
-                self.store.add("read", 1)  # the store's host (rank 0, for tcp://) ends once every rank has read
-                wait_until(lambda: self.store.add("read", 0) >= self.world, 5)
-        Watchdog.say(stall_line(reports, self.world, self.timeout, self.dir))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        try:  # whatever fails here, the process ends: its main thread waits in close() for this one
+            reports = [dict(rank=self.rank, seconds=round(time.monotonic() - self.moved), seq=collectives_started(),
+                            position=self.position(), where=self.where(self.write_stacks()))]
+            with contextlib.suppress(RuntimeError):  # the store's host has ended: this rank's report alone
+                if self.store:
+                    self.store.add("alarm", 1)
+                    self.store.set(f"report/{self.rank}", json.dumps(reports[0]))
+                    keys = [f"report/{r}" for r in range(self.world)]
+                    wait_until(lambda: self.store.check(keys), 5)  # the others see the alarm within a beat
+                    reports = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+                    self.store.add("read", 1)  # the store's host (rank 0, for tcp://) ends once every rank has read
+                    wait_until(lambda: self.store.add("read", 0) >= self.world, 5)
+            Watchdog.say(stall_line(reports, self.world, self.timeout, self.dir))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def position(self) -> str:
         if self.key is None:
@@ -373,7 +401,8 @@ class Watchdog:
         names = {thread.ident: thread.name for thread in threading.enumerate()}
         for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != self.main):  # main first
             if ident != threading.get_ident():  # not this thread's, which only writes them
-                lines += [f"rank {self.rank}, thread {names.get(ident, ident)}:\n", *traceback.format_stack(frame), "\n"]
+                lines += [f"rank {self.rank}, thread {names.get(ident, ident)}:\n", *traceback.format_stack(frame),
+                          "\n"]
         if any(f.name == "_try_get_data" for f in frames):  # waiting for a DataLoader worker: what do its workers do?
             for pid, worker_frames, text in worker_stacks():
                 lines += [f"rank {self.rank}, DataLoader worker (pid {pid}):\n", text, "\n"]
@@ -382,6 +411,9 @@ class Watchdog:
         with contextlib.suppress(OSError):  # a full or read-only disk: the line still comes
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / f"rank{self.rank}.txt").write_text("".join(lines))
+            if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # for torch.distributed.flight_recorder
+                trace = torch._C._distributed_c10d._dump_nccl_trace()
+                (self.dir / f"nccl_trace_rank_{self.rank}").write_bytes(trace)
         return frames
 
     @staticmethod
@@ -410,7 +442,7 @@ def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary |
     return next((f for f in reversed(ours) if f.filename != __file__), ours[-1] if ours else None)
 
 
-def collectives_started() -> int:  # by this rank, in all its groups: the rank with fewest is the one the others wait for
+def collectives_started() -> int:  # by this rank, in all its groups: the rank with fewest is the one others wait for
     with contextlib.suppress(RuntimeError, AttributeError):
         return sum(group._get_sequence_number_for_group() for group in dist.distributed_c10d._world.pg_map)
     return 0
@@ -440,7 +472,8 @@ def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
     """(pid, frames, text) of this process's DataLoader workers: each writes its stack when signalled (init_worker)."""
     pids = [child.pid for child in multiprocessing.active_children()]
     for pid in pids:
-        os.kill(pid, signal.SIGUSR2)
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(pid, signal.SIGUSR2)
     paths = [worker_stack_path(pid) for pid in pids]
     wait_until(lambda: all(p.exists() for p in paths), 2)
     stacks = []
@@ -464,9 +497,9 @@ def init_worker(worker_id: int) -> None:
         [[(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)],
          "".join(traceback.format_stack(frame))]).encode()))
     # its parent is the forkserver, which PyTorch's worker loop watches: it ends itself when its rank has ended
-    rank = multiprocessing.parent_process()
-    threading.Thread(target=lambda: multiprocessing.connection.wait([rank.sentinel]) and os._exit(0), daemon=True,
-                     name="rank watch").start()
+    if rank := multiprocessing.parent_process():
+        threading.Thread(target=lambda: multiprocessing.connection.wait([rank.sentinel]) and os._exit(0),
+                         daemon=True, name="rank watch").start()
 
 
 # --------------------------------------------------- any batch, any task ----

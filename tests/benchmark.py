@@ -35,6 +35,7 @@ from test_your_own_data import copy_with_your_functions  # noqa: E402
 
 TEXTBOOK = "textbook loop: PIL transforms per image"
 BLOCKING = "DDP, 2 processes, per-step agreement blocking"
+UNWATCHED = "DDP, 2 processes, no watchdog"
 EMA = "DDP, 2 processes + moving average (--ema 0.99)"
 STREAM = "stream of 8 shards, 2 processes x 2 workers"
 MAP, COLLATE = "decoded in its own map", "decoded in collate"
@@ -110,6 +111,7 @@ class Case:
     launcher: str = "torchrun"  # torchrun, python, or pair (two independent processes)
     env: dict = field(default_factory=dict)
     blocking: bool = False  # the per-step all-reduce (stop signal, next batch) waited at once, as it was before
+    unwatched: bool = False  # no watchdog: no thread, no progress noted per batch
     stream: str = ""  # a stream (STREAM_CODE) read as the scripts read it "now", or as they did "before"
 
 
@@ -122,6 +124,7 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
             Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
             Case("DDP, 2 processes", "distributed.py", 2),
             Case(BLOCKING, "distributed.py", 2, blocking=True),
+            Case(UNWATCHED, "distributed.py", 2, unwatched=True),
             Case(EMA, "distributed.py", 2, ["--ema", "0.99"]),
             Case(TEXTBOOK, "tests/textbook.py", 2),
             Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
@@ -146,6 +149,7 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
         Case("DDP fp32", "distributed.py", n),
         Case("DDP fp32 + channels_last", "distributed.py", n, cl),
         Case("DDP fp32, per-step agreement blocking", "distributed.py", n, blocking=True),
+        Case("DDP fp32, no watchdog", "distributed.py", n, unwatched=True),
         Case("DDP fp32 + EMA 0.999", "distributed.py", n, ["--ema", "0.999"]),
         Case("DDP by mp.spawn fp32", "distributed_mp.py", n, ["--nproc", str(n)], "python"),
         Case("DDP + AMP float16", "distributed_amp.py", n, ["--amp-dtype", "float16"]),
@@ -175,9 +179,9 @@ def workload(args) -> list[str]:
 def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
     """Run one case; returns the epochs of every process that wrote metrics (two for a pair)."""
     flags = [*common, *case.flags]
-    if case.blocking:
-        case = Case(case.name, blocking_copy(case.script, out / "copy"), case.nproc, case.flags, case.launcher,
-                    case.env)
+    if case.blocking or case.unwatched:
+        case = Case(case.name, changed_copy(case.script, out / "copy", case.blocking), case.nproc, case.flags,
+                    case.launcher, case.env)
     if case.stream:
         case = Case(case.name, str(stream_copy(case.script, out, case.stream)), case.nproc, case.flags, case.launcher,
                     {**case.env, "DECODES": str(out / "decodes")}, stream=case.stream)
@@ -211,16 +215,18 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
     return copy
 
 
-def blocking_copy(script: str, directory: Path) -> str:
+def changed_copy(script: str, directory: Path, blocking: bool) -> str:
     """script and builtin.py copied with a utils.py whose per-step agreement is a blocking all-reduce at the step's
-    start: what overlapping it with the step saves, everything else alike."""
+    start (what overlapping it with the step saves), or whose watchdog never starts (what it costs); all else alike."""
     directory.mkdir(parents=True)
     for name in (script, "builtin.py"):
         shutil.copy(ROOT / name, directory)
     source = (ROOT / "utils.py").read_text()
-    overlapped = "dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)"
-    assert overlapped in source, "utils.StopSignal changed: update the benchmark's blocking copy"
-    (directory / "utils.py").write_text(source.replace(overlapped, overlapped.replace("True)", "False)")))
+    agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
+    old, new = ((agreement, agreement.replace("True", "False")) if blocking else
+                ("        Watchdog.active = self\n", "        return  # no watchdog: no thread\n"))
+    assert old in source, "utils.StopSignal or utils.Watchdog changed: update the benchmark's copy"
+    (directory / "utils.py").write_text(source.replace(old, new))
     return str(directory / script)
 
 
@@ -315,6 +321,7 @@ def cpu_ratios(results: dict[str, dict]) -> str:
         f"time per image against the same training without DDP (goal <= 3%)",
         f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
         agreement_ratio(results),
+        watchdog_ratio(results, "DDP, 2 processes", UNWATCHED),
         ema_ratio(results, EMA, "DDP, 2 processes"),
         stream_ratio(results),
         f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
@@ -328,6 +335,13 @@ def agreement_ratio(results: dict[str, dict]) -> str:
     a, b = results["DDP, 2 processes"], results[BLOCKING]
     return (f"- per-step agreement (stop signal, next batch): overlapped with the step / blocking = "
             f"{a['best'] / b['best']:.2f}x images/s (median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
+
+
+def watchdog_ratio(results: dict[str, dict], watched: str, unwatched: str) -> str:
+    """What the watchdog costs: a thread that wakes every 2 s, and a time noted per batch."""
+    a, b = results[watched], results[unwatched]
+    return (f"- watchdog: with / without = {a['best'] / b['best']:.2f}x images/s "
+            f"(median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
 
 
 def ema_ratio(results: dict[str, dict], ema: str, plain: str) -> str:
@@ -383,7 +397,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
     parser.add_argument("--workers", type=int, default=None,
                         help="DataLoader workers per process (default: the scripts' own default)")
-    parser.add_argument("--only", default=None, help="run only the case of this name, or those whose names contain it")
+    parser.add_argument("--only", default=None,
+                        help="run only the case of this name, or those whose names contain it; A|B: either")
     parser.add_argument("--chart", default=None, metavar="PATH", help="also write images/s per approach as an SVG")
     # the scripts of STREAM_BEFORE are history, not ours to fix: in a CI run on 2026-11-25 their validation waited on
     # a DataLoader worker until the 300 s collective timeout (not again in 35 runs here); the tests leave them out
@@ -400,9 +415,9 @@ def main() -> None:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     all_cases = cases(args.quick, gpus, not args.without_before)
-    exact = any(c.name == args.only for c in all_cases)  # an exact name picks that case alone
-    selected = [c for c in all_cases if args.only is None or args.only == c.name
-                or (not exact and args.only in c.name)]
+    wanted = args.only.split("|") if args.only else []  # an exact name picks that case alone
+    selected = [c for c in all_cases if not wanted or any(w == c.name or (w in c.name and not any(
+        w == other.name for other in all_cases)) for w in wanted)]
     common = workload(args)
     runs: dict[str, list] = {c.name: [] for c in selected}
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,10 +436,12 @@ def main() -> None:
     print(table([(c, results[c.name]) for c in selected], args.batch_size))
     if args.quick and args.only is None:
         print("\n" + cpu_ratios(results))
-    elif "DDP, 2 processes" in results and results.keys() & {BLOCKING, EMA}:  # --only "DDP, 2 proc"
+    elif "DDP, 2 processes" in results and results.keys() & {BLOCKING, EMA, UNWATCHED}:  # --only "DDP, 2 proc"
         print()
         if BLOCKING in results:
             print(agreement_ratio(results))
+        if UNWATCHED in results:
+            print(watchdog_ratio(results, "DDP, 2 processes", UNWATCHED))
         if EMA in results:
             print(ema_ratio(results, EMA, "DDP, 2 processes"))
     elif sum(name.startswith(STREAM) for name in results) >= 2:  # --only stream
@@ -435,6 +452,8 @@ def main() -> None:
             print(textbook_ratio(results, "DDP + AMP float16"))
         if {"FSDP fp32", "DDP fp32"} <= results.keys():
             print(fsdp_ratio(results, "FSDP fp32", "DDP fp32"))
+        if {"DDP fp32, no watchdog", "DDP fp32"} <= results.keys():
+            print(watchdog_ratio(results, "DDP fp32", "DDP fp32, no watchdog"))
         if {"DDP fp32 + EMA 0.999", "DDP fp32"} <= results.keys():
             print(ema_ratio(results, "DDP fp32 + EMA 0.999", "DDP fp32"))
     print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {shlex.join(sys.argv[1:])}")

@@ -1,14 +1,15 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler, FSDP with CPU offload and
-activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a clean end), for a
-machine with a GPU. CI has
-none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
+activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a stall, a clean
+end), for a machine with a GPU. CI has none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -173,7 +174,32 @@ def a_stream_on_the_gpu(tmp: Path) -> None:
     check("a stream: distributed_fsdp.py == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
 
 
-SECTIONS = {"task": your_task_on_the_gpu, "stream": a_stream_on_the_gpu, "launchers": launchers,
+def a_stall_on_the_gpu(tmp: Path) -> None:
+    """A rank stuck in compute_loss on nccl (a world of one: NCCL takes no two ranks on one GPU) ends within the bound,
+    saying where; its stalls/ folder holds the Flight Recorder's trace, which PyTorch's analyzer reads."""
+    from test_stalls import BOUND, TIMEOUT, user_code
+    from test_your_own_data import COMMON, copy_with_your_functions
+    copy = copy_with_your_functions("distributed.py", tmp / "stall", user_code("compute_loss").replace('== "1"',
+                                                                                                       '== "0"'))
+    out, stalled_at = tmp / "stall-out", tmp / "stalled_at"
+    result = run(torchrun(1, copy, *COMMON, "--timeout", str(TIMEOUT), "--output-dir", out), check=False,
+                 env={"STALL_FILE": str(stalled_at), "STALL_SECONDS": "3600"}, timeout=300)
+    since = time.time() - float(stalled_at.read_text()) if stalled_at.exists() else math.inf
+    line = next((text for text in result.stderr.splitlines() if text.startswith("error:")), "")
+    named = re.match(r"error: rank 0 made no progress for \d+ s at step 3 of epoch 1, in compute_loss \(distributed"
+                     r"\.py:\d+\); every rank's stacks in ", line)
+    check("a stalled rank on nccl ends with its line", bool(named) and since <= TIMEOUT + BOUND + 5,
+          f"{since:.0f} s after the stall: {line}")
+    trace = run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out / "stalls", "--prefix",
+                 "nccl_trace_rank_", "-j"], check=False)
+    listed = trace.stdout + trace.stderr  # it prints where its version does
+    entries = re.findall(r"^\w+\(input_sizes=", listed, re.M)  # a line per collective it recorded
+    check("its Flight Recorder trace reads in fr_trace", trace.returncode == 0 and len(entries) > 0,
+          f"exit {trace.returncode}, {len(entries)} collectives listed, the last: {listed.strip().splitlines()[-1]}")
+
+
+SECTIONS = {"task": your_task_on_the_gpu, "stall": a_stall_on_the_gpu, "stream": a_stream_on_the_gpu,
+            "launchers": launchers,
             "amp": mixed_precision, "fsdp": fully_sharded, "resnet": resnet, "graphs": cuda_graphs}
 
 if __name__ == "__main__":

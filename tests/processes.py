@@ -194,7 +194,7 @@ def training_processes(marker: str, script: str) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        head = argv[:4]  # python [-u] SCRIPT, or python [-B] -c "...spawn_main..."
+        head = argv[:6]  # python [-u] SCRIPT, or python [-B] [-W FILTER] -c "...spawn_main..."
         if any(script.encode() in a for a in head) and b"torch.distributed.run" not in head:
             pids.append(pid)
     return pids

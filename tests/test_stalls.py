@@ -105,7 +105,8 @@ def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stal
     begins = next(i for i, text in enumerate(lines) if text.startswith(f"def {function}("))
     line_number = next(i for i, text in enumerate(lines[begins:], begins + 1) if STUCK in text)
     worker = " in a DataLoader worker" if name == "worker" else ""
-    pattern = (rf"error: rank 1 made no progress for \d+ s {position}, in {function} \({script}:{line_number}\){worker}; "
+    pattern = (rf"error: rank 1 made no progress for \d+ s {position}, in {function} \({script}:{line_number}\)"
+               rf"{worker}; "
                rf"the other ranks waited for it in a collective; every rank's stacks in {re.escape(str(out))}/stalls/")
     if name == "mp":  # the parent says its children's line once
         assert result.returncode == 1 and re.fullmatch(pattern, result.stderr.strip().splitlines()[-1]), result.stderr
@@ -135,8 +136,8 @@ def test_the_records_name_the_rank_that_waited_longest_for_its_data(stalled):
 
 
 def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
-    """Workers started 300 times on each of 2 ranks right after collectives whose tensors gloo's threads release (a thread of the
-    stream library running too), as the scripts start them: none stuck (each has 20 s for its first batch)."""
+    """Workers started 300 times on each of 2 ranks right after collectives whose tensors gloo's threads release (a
+    thread of the stream library running too), as the scripts start them: none stuck (20 s for each first batch)."""
     code = f"""
 import os, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import utils
-from processes import (EVAL_EVERY, MEASURED, TINY, assert_same_records, max_weight_difference, metrics, python, run, steps,
-                       torchrun, weights)
+from processes import (EVAL_EVERY, MEASURED, TINY, assert_same_records, max_weight_difference, metrics, python, run,
+                       steps, torchrun, weights)
 
 SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CPU
 
