@@ -99,7 +99,8 @@ def build_parser(description: str) -> ArgumentParser:
     add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
     add("--dist-url", default=None, help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)")
     add("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with CUDA, else gloo")
-    add("--timeout", type=float, default=300, help="seconds before a stuck rendezvous or collective fails")
+    add("--timeout", type=float, default=300,
+        help="seconds before a stuck rendezvous fails, or a rank without progress ends every rank, named")
     add("--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs")
     add("--channels-last", action="store_true", help="NHWC model and images (faster on Tensor Cores)")
     add("--compile", action="store_true", help="compile the model with torch.compile")
@@ -348,7 +349,7 @@ class Watchdog:
             time.sleep(beat)
             # a C call that holds the GIL stops this thread too: faulthandler's own thread then dumps and ends it
             faulthandler.dump_traceback_later(self.timeout + 2 * self.grace.total_seconds(), exit=True)
-            if BUSY.search("".join(f"{f.filename}:{f.name} " for f in self.main_stack())):  # compiling, saving
+            if self.busy():  # compiling, saving: progress, however long
                 self.moved = self.last = time.monotonic()
                 self.progressed = True
             alarm = time.monotonic() - self.last >= self.timeout
@@ -363,6 +364,11 @@ class Watchdog:
             except RuntimeError:  # the store's host has ended (the run's end): nothing left to watch
                 faulthandler.cancel_dump_traceback_later()
                 return
+
+    @staticmethod
+    def busy() -> bool:  # any thread's: a backward on a GPU, compiled on first use, runs in autograd's own thread
+        return any(BUSY.search(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+                   for top in sys._current_frames().values() for frame, _ in traceback.walk_stack(top))
 
     def main_stack(self) -> list[traceback.FrameSummary]:
         frame = sys._current_frames().get(self.main)
@@ -429,9 +435,9 @@ class Watchdog:
             time.sleep(1)
 
 
-# a compile (not a frame of torch._dynamo.disable's wrapper, which much of torch runs through) or a save: progress
+# the files of a compile (not torch._dynamo's disable wrapper, which much of torch runs through) or a save
 BUSY = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/|torch/serialization\.py|"
-                  r"torch/distributed/checkpoint/|safetensors|save_pretrained")
+                  r"torch/distributed/checkpoint/|safetensors|:save_pretrained$")
 LIBRARIES = tuple({*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
                    str(Path(torch.__file__).parents[1])})  # torch's folder too, wherever it is installed
 
@@ -847,6 +853,7 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
     with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_available() else []):
         # one rank's error ends every rank with its line; before backward(), a collective under FSDP
         with errors_shared_by_all_ranks():
+            check_workers_can_take(loader)
             try:  # two samples for the step, more for the labels' check below (a stream's: its first reader's)
                 first = first_samples(loader, 256)
                 (samples, batch), more = loader.collate_fn(first[:2]), loader.collate_fn(first)[1]
@@ -874,6 +881,22 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
         raise UsageError(f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP "
                          f"train such a model, or leave them out of it")
     return (forward_flops.get_total_flops() + backward_flops.get_total_flops()) / samples
+
+
+def check_workers_can_take(loader: DataLoader) -> None:
+    """DataLoader workers start from a forkserver: the Dataset and collate must pickle (no lambda, no open file)."""
+    class Sink:  # the pickle is thrown away: a worker's share is all that is checked
+        write = staticmethod(len)
+
+    class Pickler(pickle.Pickler):  # tensors go to workers through shared memory, unpickled
+        def persistent_id(self, obj):
+            return id(obj) if isinstance(obj, torch.Tensor) else None
+    try:
+        if loader.num_workers:
+            Pickler(Sink()).dump((loader.dataset, loader.collate_fn))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise UsageError(f"the Dataset or collate cannot go to a DataLoader worker ({first_line(e)}): define their "
+                         f"functions at module level, not as a lambda or inside a function, or use --workers 0") from None
 
 
 def check_loss(loss) -> None:  # compute_loss gives a scalar (the batch's mean) or a pair (a scalar sum, its count)

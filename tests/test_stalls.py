@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import PYTHON, ROOT, ends_every_rank_with, finish, run, start, steps
+from processes import PYTHON, ROOT, ends_every_rank_with, finish, free_port, run, start, steps
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
@@ -56,6 +56,7 @@ CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags
     "validation": ("distributed.py", "not torch.is_grad_enabled()", "False", [], "compute_loss"),
     "fsdp": ("distributed_fsdp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "mp": ("distributed_mp.py", "LOSSES == 4", "False", [], "compute_loss"),
+    "by_hand": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
     # steps of 0.6 x --timeout on one rank, the others waiting for it each time: slow, not stalled
     "slow": ("distributed.py", "2 <= LOSSES <= 4", "False", ["--epochs", "1"], None),
     # every batch of rank 1 a little late: its records name it the slow one
@@ -71,23 +72,32 @@ def user_code(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, float, Path]]:
-    """Every case run at once (they mostly sleep): (its result, seconds from its stall to its end, its output dir)."""
+    """Every case run at once (they mostly sleep): (its result, seconds from its stall to its end, its output dir);
+    "by_hand" is two ranks started by hand, no launcher (their outputs joined)."""
     base, started = tmp_path_factory.mktemp("stalls"), {}
     for name, (script, _, _, flags, _) in CASES.items():
         copy = copy_with_your_functions(script, base / name / "copy", user_code(name))
         out, stall_file = base / name / "out", base / name / "stalled_at"
-        cmd = launch(copy, 2, *COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags)
-        seconds = SECONDS.get(name, 3600)
-        started[name] = (*start(cmd, {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(seconds)}), stall_file, out)
+        args = [*COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags]
+        env = {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(SECONDS.get(name, 3600))}
+        if name == "by_hand":
+            port = str(free_port())
+            started[name] = ([start([PYTHON, copy, *args, "--ip", "127.0.0.1", "--port", port],
+                                    {**env, "RANK": str(rank), "WORLD_SIZE": "2"}) for rank in (0, 1)], stall_file, out)
+        else:
+            started[name] = ([start(launch(copy, 2, *args), env)], stall_file, out)
     ended, deadline = {}, time.monotonic() + 240
     while len(ended) < len(started) and time.monotonic() < deadline:
-        for name, (proc, *_) in started.items():
-            if name not in ended and proc.poll() is not None:
+        for name, (procs, *_) in started.items():
+            if name not in ended and all(proc.poll() is not None for proc, _ in procs):
                 ended[name] = time.time()
         time.sleep(0.1)
     results = {}
-    for name, (proc, marker, stall_file, out) in started.items():
-        result = finish(proc, marker, timeout=1)  # a run still going after 240 s fails here, with its output
+    for name, (procs, stall_file, out) in started.items():
+        # a run still going after 240 s fails here, with its output
+        done = [finish(proc, marker, timeout=1) for proc, marker in procs]
+        result = subprocess.CompletedProcess(done[0].args, max(r.returncode for r in done),
+                                             "".join(r.stdout for r in done), "".join(r.stderr for r in done))
         since = ended[name] - float(stall_file.read_text()) if stall_file.exists() else None
         results[name] = (result, since, out)
     return results
@@ -170,3 +180,17 @@ if __name__ == "__main__":  # the forkserver imports this file, as it imports a 
     script.write_text(code)
     result = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script], timeout=240)
     assert result.stdout.count("started 150") == 2, result.stdout
+
+
+def test_a_dataset_that_cannot_go_to_a_worker_ends_every_rank_with_one_line(tmp_path):
+    """Workers start from a forkserver, so what they run must pickle: a lambda in the Dataset is named before
+    training, in one line on every rank, where a fork took it and a forkserver would fail with a traceback."""
+    lambda_inside = YOUR_CLASSIFICATION.replace("""def build_datasets(args):
+    return Blobs(640, seed=1), Blobs(203, seed=2), 4""", """def build_datasets(args):
+    train = Blobs(640, seed=1)
+    train.transform = lambda x: x
+    return train, Blobs(203, seed=2), 4""")
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", lambda_inside)
+    result = run(launch(copy, 2, *COMMON, "--workers", "2", "--output-dir", tmp_path / "out"), check=False)
+    ends_every_rank_with(result, "error: the Dataset or collate cannot go to a DataLoader worker (Can't pickle local "
+                                 "object 'build_datasets.<locals>.<lambda>'): define their functions at module level")
