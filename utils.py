@@ -896,7 +896,8 @@ def check_workers_can_take(loader: DataLoader) -> None:
             Pickler(Sink()).dump((loader.dataset, loader.collate_fn))
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise UsageError(f"the Dataset or collate cannot go to a DataLoader worker ({first_line(e)}): define their "
-                         f"functions at module level, not as a lambda or inside a function, or use --workers 0") from None
+                         f"functions at module level, not as a lambda or inside a function, or use --workers 0"
+                         ) from None
 
 
 def check_loss(loss) -> None:  # compute_loss gives a scalar (the batch's mean) or a pair (a scalar sum, its count)
