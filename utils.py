@@ -710,9 +710,9 @@ class Meter:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         waits = torch.zeros(world, dtype=torch.float64, device=self.sums.device)
         waits[rank] = self.data_wait - self.waited  # each rank its own place: the sum holds every rank's exactly
-        both, seconds, before = all_reduce(torch.cat([self.sums, waits])).cpu(), time.perf_counter() - self.mark[0], \
-            self.mark[1]
-        now, waits = both[:5], both[5:]
+        # one collective for both; the sums apart, in a tensor of their own that a checkpoint keeps as it is
+        now, waits = (part.clone() for part in all_reduce(torch.cat([self.sums, waits])).cpu().split([5, world]))
+        seconds, before = time.perf_counter() - self.mark[0], self.mark[1]
         loss, acc, _ = self.reduce(now - self.recorded)
         _, items, _, _, samples = (now - before).tolist()
         self.recorded, self.mark, self.waited = now, (time.perf_counter(), now), self.data_wait

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import PYTHON, ROOT, ends_every_rank_with, finish, free_port, run, start, steps
+from processes import PYTHON, ROOT, ends_every_rank_with, finish, free_port, python, run, start, steps
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
@@ -82,7 +82,7 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
         env = {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(SECONDS.get(name, 3600))}
         if name == "by_hand":
             port = str(free_port())
-            started[name] = ([start([PYTHON, copy, *args, "--ip", "127.0.0.1", "--port", port],
+            started[name] = ([start(python(copy, *args, "--ip", "127.0.0.1", "--port", port),
                                     {**env, "RANK": str(rank), "WORLD_SIZE": "2"}) for rank in (0, 1)], stall_file, out)
         else:
             started[name] = ([start(launch(copy, 2, *args), env)], stall_file, out)
