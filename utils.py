@@ -169,9 +169,10 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     except (RuntimeError, ConnectionError, TimeoutError) as e:  # DistError is a RuntimeError
         # a worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset too large for /dev/shm
         worker = str(e).startswith("DataLoader worker") or "unable to write to file </torch_" in str(e)
-        # gloo reports a dead peer or a timeout as a plain RuntimeError; any other is a bug: keep its traceback
-        if not (worker or isinstance(e, (dist.DistError, ConnectionError, TimeoutError))
-                or re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
+        # gloo reports a dead peer or a timeout as a plain RuntimeError, raised in torch or here; any other (a
+        # stream's own ConnectionError) is a bug, the user's or ours: keep its traceback
+        if not (worker or isinstance(e, dist.DistError) or raised_in(e, str(Path(torch.__file__).parent), __file__)
+                and re.search(r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer", str(e))):
             status = traceback.print_exc() or 1
         else:
             # PyTorch's own line is the cause where it saw the signal (a forked worker), else the error itself
@@ -442,6 +443,20 @@ LIBRARIES = tuple({*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", 
                    str(Path(torch.__file__).parents[1])})  # torch's folder too, wherever it is installed
 
 
+def raised_in(error: BaseException, *places: str) -> bool:
+    """Was error raised (its innermost frame) in one of these files or folders: a library's or ours, not the user's?"""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(places)
+
+
+def at(error: BaseException) -> str:
+    """", at collate (distributed.py:66)": the user's line that called the library that raised error, if any."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = max((i for i, f in enumerate(frames) if f.filename == __file__), default=-1)
+    frame = user_frame(frames[ours + 1:])  # below utils' frames: in the user's collate or model, not the script's call
+    return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+
+
 def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     """The innermost frame of the user's code or the script (one of utils.py's if none): not a library's."""
     ours = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
@@ -600,11 +615,14 @@ class StreamSampler:
 
     def first(self, n: int) -> list:
         """The first reader's first n samples, alike on every rank (a collective), or else the stream splits itself."""
-        try:  # tensors compared by value: their pickles differ between processes
+        try:
             samples = list(itertools.islice(self.reader(0), n))
-            digest = hashlib.sha256(pickle.dumps(tree_map_only(torch.Tensor, torch.Tensor.tolist, samples))).digest()
-        except ValueError as e:  # webdataset's default node splitter refuses a second process
+        except ValueError as e:  # webdataset's default node splitter refuses a second process; any other: the user's
+            if "nodesplitter" not in str(e):
+                raise
             raise UsageError(f"the stream cannot be read ({first_line(e)}): give every process all of it") from None
+        try:  # tensors compared by value: their pickles differ between processes
+            digest = hashlib.sha256(pickle.dumps(tree_map_only(torch.Tensor, torch.Tensor.tolist, samples))).digest()
         except (pickle.PicklingError, TypeError, AttributeError):  # samples no worker could take either: unchecked
             digest = b""
         if len(set(gathered(digest))) > 1:
@@ -623,7 +641,9 @@ def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
     """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (a stream without len's)."""
     try:
         batches = len(loader) // micro_batches
-    except TypeError:  # a stream without __len__: an epoch is one pass, cut at N steps if it lasts that long
+    except TypeError as e:  # a stream without __len__ (len() refused it here): an epoch is one pass, cut at N steps
+        if not raised_in(e, __file__):  # in the stream's own __len__: the user's error
+            raise
         if not args.steps_per_epoch:
             raise UsageError("the training set is a stream without __len__: give --steps-per-epoch N, the "
                              "optimizer steps of an epoch") from None
@@ -742,7 +762,7 @@ class StepRecords:
         # what a checkpoint holds (its shape: a sharded checkpoint loads into it); a W&B run id alike on every rank
         self.saved = {"sums": torch.zeros(5).double(), "recorded": torch.zeros(5).double(),
                       "wandb_id": gathered(uuid.uuid4().hex[:12])[0]}
-        self.meter, self.writer, self.wandb, self.logged = None, None, None, {}
+        self.meter, self.writer, self.wandb = None, None, None
 
     def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
         self.meter = Meter(device, self.saved if first_step else None, self.rank)
@@ -756,14 +776,16 @@ class StepRecords:
         self.saved = state
 
     def start(self, epoch: int, step: int) -> None:
-        """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest, and
-        W&B, which cannot, continues the same run after what it got before a stop (each step once: the same values)."""
-        last, self.logged = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}, {}
+        """On rank 0: keep the records up to the checkpoint's epochs and steps done; TensorBoard purges the rest. W&B,
+        which cannot, continues the same run; a kill may have cost it what it got in its last seconds (its service
+        writes them every few seconds, and dies with the rank), so it gets every record kept again, in order: none
+        missing, some twice with the same values."""
+        last, kept = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}, {}
         for path, key in ((self.path.with_name("metrics.jsonl"), "epoch"), (self.path, "global_step")):
             lines = list(filter(None, path.read_text().splitlines())) if path.exists() else []  # no blank line
-            self.logged[key] = max([json.loads(line)[key] for line in lines], default=0)
-            if (kept := [line for line in lines if json.loads(line)[key] <= last[key]]) != lines:
-                write_atomically(path, "".join(f"{line}\n" for line in kept).encode())  # a full disk loses none
+            kept[key] = [line for line in lines if json.loads(line)[key] <= last[key]]
+            if kept[key] != lines:
+                write_atomically(path, "".join(f"{line}\n" for line in kept[key]).encode())  # a full disk loses none
         if self.args.tensorboard:  # imported only when asked for
             tb = importlib.import_module("torch.utils.tensorboard")
             self.writer = tb.SummaryWriter(self.path.with_name("tensorboard"), purge_step=last["global_step"] + 1)
@@ -776,6 +798,16 @@ class StepRecords:
                 raise UsageError(f"--wandb cannot start its run ({first_line(e)}): wandb login, or set "
                                  f"WANDB_MODE=offline") from None
             self.wandb.define_metric("*", step_metric="global_step")
+            self.replay([json.loads(line) for line in kept["global_step"]], [json.loads(line) for line in kept["epoch"]])
+
+    def replay(self, records: list[dict], epochs: list[dict]) -> None:  # to W&B: each epoch's line after its records
+        for record in records:
+            while epochs and epochs[0]["epoch"] < record["epoch"]:
+                self.epoch_to_wandb(epochs.pop(0))
+            self.to_wandb({k: v for k, v in record.items() if k not in ("epoch", "step", "global_step")},
+                          record["global_step"])
+        for record in epochs:
+            self.epoch_to_wandb(record)
 
     def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor) -> None:
         """A training record (a collective: every rank calls it at the same step); a diverged run stops here."""
@@ -792,7 +824,7 @@ class StepRecords:
         with errors_shared_by_all_ranks():  # a full disk ends every rank with one line
             if self.rank == 0:  # one writer: the numbers are all ranks' already (the others log warnings only)
                 append_metrics(self.path, dict(epoch=epoch + 1, step=step, global_step=global_step, **values))
-                self.to_wandb(values, global_step, "global_step", global_step)
+                self.to_wandb(values, global_step)
             if self.writer:  # rank 0's curves: each value at its global step
                 for key in [key for key, value in values.items() if value is not None]:
                     self.writer.add_scalar(key, values[key], global_step)
@@ -801,14 +833,16 @@ class StepRecords:
     def epoch(self, record: dict) -> None:
         """On rank 0: the epoch's line in metrics.jsonl (whole or not at all), in W&B at its last step, then printed."""
         append_metrics(self.path.with_name("metrics.jsonl"), record)
-        self.to_wandb({f"epoch/{key}": value for key, value in record.items()}, record["epoch"] * self.steps_per_epoch,
-                      "epoch", record["epoch"])
+        self.epoch_to_wandb(record)
         shown = numbers(record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
         log.info(f"epoch {record['epoch']}/{self.args.epochs} {shown} time {record['epoch_time_s']:.1f}s "
                  f"{record['images_per_s']:.0f} img/s")
 
-    def to_wandb(self, values: dict, global_step: int, key: str, position: int) -> None:
-        if self.wandb and position > self.logged[key]:  # not what W&B got before a stop
+    def epoch_to_wandb(self, record: dict) -> None:  # at the epoch's last step, under epoch/
+        self.to_wandb({f"epoch/{key}": value for key, value in record.items()}, record["epoch"] * self.steps_per_epoch)
+
+    def to_wandb(self, values: dict, global_step: int) -> None:
+        if self.wandb:
             self.wandb.log({"global_step": global_step, **{k: v for k, v in values.items() if v is not None}})
 
 
@@ -854,17 +888,23 @@ def check_first_step(model: nn.Module, loader: DataLoader, compute_loss: Callabl
         # one rank's error ends every rank with its line; before backward(), a collective under FSDP
         with errors_shared_by_all_ranks():
             check_workers_can_take(loader)
-            try:  # two samples for the step, more for the labels' check below (a stream's: its first reader's)
-                first = first_samples(loader, 256)
-                (samples, batch), more = loader.collate_fn(first[:2]), loader.collate_fn(first)[1]
+            # two samples for the step, more for the labels' check below (a stream's: its first reader's)
+            first = first_samples(loader, 256)
+            try:  # what a library refused (default_collate: samples of two sizes) is one line; the user's own error
+                (samples, batch), more = loader.collate_fn(first[:2]), loader.collate_fn(first)[1]  # is theirs
             except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
-                raise UsageError(f"collate cannot batch the first samples ({first_line(e)}): pad them") from None
+                if not raised_in(e, *LIBRARIES):
+                    raise
+                raise UsageError(f"collate cannot batch the first samples ({first_line(e)}{at(e)}): pad them"
+                                 ) from None
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
             try:
                 with FlopCounterMode(display=False) as forward_flops:
                     outputs = forward(model.train(), inputs)
             except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
-                raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}") from None
+                if not raised_in(e, *LIBRARIES):
+                    raise
+                raise UsageError(f"the model cannot take the first batch's inputs: {first_line(e)}{at(e)}") from None
             # on a GPU a bad label is a device-side assert that kills the process: more labels than two samples have
             if is_default_loss(compute_loss):
                 check_class_targets(outputs, batch_to_device(more, device, loader.dataset)[1])

@@ -7,7 +7,9 @@ line."""
 from __future__ import annotations
 
 import collections
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +236,64 @@ def test_a_stream_that_splits_itself_ends_every_rank_with_one_line(tmp_path):
                               env=environment(tmp_path, streams, tmp_path / name), cwd=data)
     for name, (_, _, line) in runs.items():
         ends_every_rank_with(finish(*started[name], timeout=120), line, 2)
+
+
+# the user's own per-sample function in the webdataset pipeline, and their collate, each with a bug everyone makes
+# (a label that json already made an int, decoded again; a key misspelt) on the samples of one shard after FAIL_AFTER
+BUGGY = DOCS.replace(".shuffle(100, seed=self.seed + self.epoch)", ".shuffle(100, seed=self.seed + self.epoch)"
+                     ".map(check_sample)") + '''
+
+import collections
+import os
+
+SEEN = collections.Counter()  # samples of each shard this process has read or collated
+WDS_COLLATE = collate
+
+
+def is_bad(sample, where):
+    SEEN[where, sample["__url__"]] += 1
+    return where == os.environ["FAIL_IN"] and os.environ["FAIL_SHARD"] in sample["__url__"] and SEEN[
+        where, sample["__url__"]] > int(os.environ["FAIL_AFTER"])
+
+
+def check_sample(sample):
+    if is_bad(sample, "stream"):
+        json.loads(sample["json"])["label"].decode()  # the user's bug, in the stream
+    return sample
+
+
+def collate(samples):
+    if any(is_bad(sample, "collate") for sample in samples):
+        json.loads(samples[0]["json"])["lable"]  # the user's bug, in collate
+    return WDS_COLLATE(samples)
+'''
+# where the bug is, on the samples of which shard, after how many of it, DataLoader workers, ranks that raise it
+BUGS = {"stream, first sample": ("stream", "part-0", 0, 0, 2),
+        "stream, mid-epoch on rank 1": ("stream", "part-3", 40, 2, 1),  # only rank 1 reads shard 3
+        "collate, first batch": ("collate", "part-0", 0, 0, 2),
+        "collate in a worker, mid-epoch on rank 1": ("collate", "part-3", 40, 2, 1)}
+ERRORS = {"stream": ("AttributeError: 'int' object has no attribute 'decode'", 'label"].decode()'),
+          "collate": ("KeyError: 'lable'", '["lable"]')}
+
+
+def test_an_error_in_the_users_stream_or_collate_reaches_them_as_it_is_and_ends_every_rank(tmp_path):
+    """The user's own error, with their line as the traceback's last, on each rank that raised it, whether at the
+    first sample (read and collated by the start-up check) or mid-epoch on one rank, in the stream (read in the main
+    process) or in collate (in the main process, or in a DataLoader worker); every process ends at once, no rank left
+    in a collective (--timeout 300: the watchdog and the collectives' timeout would take 5 minutes)."""
+    data, started = prepare(tmp_path, "webdataset"), {}
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", BUGGY)
+    for name, (where, shard, after, workers, _) in BUGS.items():
+        out = tmp_path / name.replace(" ", "-").replace(",", "")
+        env = {**environment(tmp_path, "webdataset", out), "FAIL_IN": where, "FAIL_SHARD": shard,
+               "FAIL_AFTER": str(after)}
+        started[name] = (time.monotonic(), start(launch(copy, 2, *FLAGS, "--workers", str(workers), "--timeout",
+                                                        "300", "--output-dir", out), env=env, cwd=data))
+    for name, (began, (proc, marker)) in started.items():
+        result, (where, *_, ranks) = finish(proc, marker, timeout=240), BUGS[name]
+        assert result.returncode != 0 and time.monotonic() - began < 150, result.stderr
+        error, line = ERRORS[where]
+        assert result.stderr.count(error) >= ranks, result.stderr
+        for traceback in result.stderr.split(error)[:-1]:  # each one's last frame: the user's line
+            last = re.findall(r'File "([^"]+)", line \d+, in (\w+)\n\s*(.*)', traceback)[-1]
+            assert Path(last[0]).name == "distributed.py" and line in last[2], (name, traceback[-2000:])

@@ -332,6 +332,38 @@ def test_a_task_the_loss_cannot_mean_is_refused_by_the_start_up_step(case):
     assert str(error.value) == line
 
 
+class YourModel(torch.nn.Linear):  # a user's own model, with a bug of its own on the first batch
+    def forward(self, inputs):
+        if inputs.shape[1] == 7:
+            raise ValueError("your own error")
+        return super().forward(inputs)
+
+
+def test_the_users_own_error_at_the_start_up_step_is_theirs_and_a_librarys_refusal_one_line():
+    """A ValueError raised by the user's forward is not a shape the model cannot take: it reaches them as it is, with
+    their line; what torch refuses in their forward is one line, at their line."""
+    with pytest.raises(ValueError, match="your own error") as error:
+        start_up_step(YourModel(8, 3), torch.randn(4, 7), torch.tensor([0, 1, 2, 0]), YOUR_CLASSIFICATION_LOSS)
+    assert error.traceback[-1].name == "forward" and error.traceback[-1].path == Path(__file__)
+    with pytest.raises(utils.UsageError, match=r"the model cannot take the first batch's inputs: mat1 and mat2 "
+                                               r"shapes cannot be multiplied \(2x5 and 8x3\), at forward \("
+                                               r"test_your_own_data.py:\d+\)$"):
+        start_up_step(YourModel(8, 3), torch.randn(4, 5), torch.tensor([0, 1, 2, 0]), YOUR_CLASSIFICATION_LOSS)
+
+
+@pytest.mark.parametrize("error", ["ConnectionError('Connection refused by the hub')",
+                                   "RuntimeError('Timed out reading shard 3')"])
+def test_an_error_of_the_users_code_that_mentions_connections_keeps_its_traceback(error, tmp_path):
+    """Not taken for a failed collective (a dead peer's, whose words it shares): the user's stream's own error."""
+    (tmp_path / "yours.py").write_text(f"import utils\n\n\ndef read_shard():\n    raise {error}\n\n\n"
+                                       f"utils.run_main(read_shard)\n")
+    result = run([PYTHON, tmp_path / "yours.py"], env={"PYTHONPATH": str(ROOT)}, check=False, timeout=60)
+    assert result.returncode == 1 and "distributed communication failed" not in result.stderr
+    assert result.stderr.strip().splitlines()[-3:] == ['  File "' + str(tmp_path / "yours.py") + '", line 5, in '
+                                                       'read_shard', f"    raise {error}", error.replace(
+                                                           "('", ": ").rstrip("')")]
+
+
 def test_a_custom_loss_may_use_labels_the_default_could_not():
     """Not the default loss: an "ignore" label of 255 is the loss's business, not refused."""
     def with_ignore(outputs, targets):
