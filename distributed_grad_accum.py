@@ -121,7 +121,8 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
                   multiprocessing_context=utils.worker_start(args.workers))
     if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
         # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
-        train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size,
+                                            micro_batches=args.accum_steps)  # a step's batch: its readers
         train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is

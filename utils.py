@@ -579,20 +579,27 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
 
 class StreamSampler:
     """A stream read in the main process as global batches, each of the next size / V samples of V fixed readers (V of
-    its shards where it has them): this rank's part of each, a list of samples that a DataLoader worker collates."""
+    its shards where it has them): this rank's share of each (in micro-batches of part samples under accumulation),
+    lists of samples that a DataLoader worker collates. Each rank reads only the readers its share overlaps; once one
+    reader has ended (shards of different sizes), the rest of every reader, still read by one rank alone, goes to
+    every rank, and global batches are cut from it: every sample of an epoch is trained on once."""
 
-    def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, train: bool = True):
-        self.stream, self.part, self.rank, self.size, self.train = stream, part, rank, part * world_size, train
+    def __init__(self, stream: IterableDataset, part: int, rank: int, world_size: int, train: bool = True,
+                 micro_batches: int = 1):
+        self.stream, self.part, self.rank, self.train, self.micro = stream, part, rank, train, micro_batches
+        self.share, self.size = part * micro_batches, part * micro_batches * world_size  # a step's, this rank's
         shards, self.epoch = getattr(stream, "n_shards", 1) if hasattr(stream, "shard") else 1, 0
         # training: readers of equally many shards that divide the global batch, whatever the processes; validation
         # (every sample once, no batch to keep alike): a reader a rank where the shards split so, else the whole
         self.readers = math.gcd(self.size, shards) if train else world_size if shards % world_size == 0 else 1
+        # the ranks learn of a reader that ended, and share the rest, in a group of their own (gloo: CPU objects)
+        self.group = dist.new_group(backend="gloo") if train and self.readers > 1 and world_size > 1 else None
 
     def set_epoch(self, epoch: int) -> None:  # a new order each epoch: passed on to the stream's own set_epoch
         self.epoch = epoch
 
-    def __len__(self) -> int:  # global batches; a TypeError for a stream without __len__
-        return (len(self.stream) + (0 if self.train else self.size - 1)) // self.size
+    def __len__(self) -> int:  # batches (micro-batches); a TypeError for a stream without __len__
+        return len(self.stream) // self.size * self.micro if self.train else -(-len(self.stream) // self.size)
 
     def reader(self, v: int):  # the stream's v-th part of self.readers, at this epoch
         reader = self.stream.shard(self.readers, v) if self.readers > 1 else self.stream
@@ -601,17 +608,51 @@ class StreamSampler:
         return reader
 
     def __iter__(self):
-        chunk = self.size // self.readers  # each reader's samples in a global batch; this rank's part overlaps:
-        first, end = self.rank * self.part // chunk, -(-(self.rank + 1) * self.part // chunk)
-        readers, start = [iter(self.reader(v)) for v in range(first, end)], self.rank * self.part - first * chunk
+        chunk = self.size // self.readers  # each reader's samples in a global batch; this rank's share overlaps:
+        first, end = self.rank * self.share // chunk, -(-(self.rank + 1) * self.share // chunk)
+        readers, start = {v: iter(self.reader(v)) for v in range(first, end)}, self.rank * self.share - first * chunk
         while True:
-            chunks = [list(itertools.islice(reader, chunk)) for reader in readers]
-            samples = [sample for c in chunks for sample in c][start:start + self.part]
-            full = all(len(c) == chunk for c in chunks)
-            if samples and (full or not self.train):  # training drops an incomplete last global batch
-                yield samples
+            chunks = {v: list(itertools.islice(reader, chunk)) for v, reader in readers.items()}
+            full = self.agreed(all(len(c) == chunk for c in chunks.values()))  # on every rank: none has ended
+            samples = [sample for c in chunks.values() for sample in c][start:start + self.share]
+            if full or (samples and not self.train):  # validation: an incomplete last batch too
+                yield from self.micro_batches(samples)
             if not full:
+                break
+        if self.train:  # training goes on with the rest of every reader; an incomplete last global batch is dropped
+            rest = self.rest(readers, chunks, chunk)
+            while len(batch := list(itertools.islice(rest, self.size))) == self.size:
+                yield from self.micro_batches(batch[self.rank * self.share:(self.rank + 1) * self.share])
+
+    def micro_batches(self, share: list):
+        return (share[i:i + self.part] for i in range(0, len(share), self.part))
+
+    def agreed(self, full: bool) -> bool:  # has every rank read a full chunk of each of its readers? (a collective)
+        if self.group:
+            flag = torch.tensor([int(full)])
+            dist.all_reduce(flag, dist.ReduceOp.MIN, group=self.group)
+            full = bool(flag)
+        return full
+
+    def rest(self, readers: dict, chunks: dict, chunk: int):
+        """The samples after the first reader ended, alike on every rank: from each reader that has more, in reader
+        order, its next chunk, in turns. Each reader is read by the first rank that reads it, which sends the turn's
+        chunks to all (a collective a turn): each sample is still read once."""
+        mine = {v: c for v, c in chunks.items() if v * chunk // self.share == self.rank}  # readers this rank sends
+        while True:
+            turn = {v: c for part in self.gathered(mine) for v, c in part.items()}
+            for v in sorted(turn):
+                yield from turn[v]
+            mine = {v: list(itertools.islice(readers[v], chunk)) for v, c in mine.items() if len(c) == chunk}
+            if not any(len(c) == chunk for c in turn.values()):  # every reader has ended
                 return
+
+    def gathered(self, obj) -> list:  # every rank's obj, in this sampler's group
+        if not self.group:
+            return [obj]
+        objs = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(objs, obj, group=self.group)
+        return objs
 
     def first(self, n: int) -> list:
         """The first reader's first n samples, alike on every rank (a collective), or else the stream splits itself."""

@@ -101,12 +101,15 @@ def run(cmd: list, timeout: float = 180, env: dict | None = None, check: bool = 
     return result
 
 
-def run_parallel(cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT,
-                 check: bool = True) -> list[subprocess.CompletedProcess]:
-    """Start several commands (each with its environment, and its own folder where a third item names one) at once:
-    the nodes of one job, or independent runs that share the cores better than in turn; wait for all."""
-    started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in cmds]
-    results = [finish(proc, marker, timeout) for proc, marker in started]
+def run_parallel(cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT, check: bool = True,
+                 at_once: int = 0) -> list[subprocess.CompletedProcess]:
+    """Start several commands (each with its environment, and its own folder where a third item names one) at once,
+    or at_once of them at a time (memory: each run's processes and workers hold a few hundred MB): the nodes of one
+    job, or independent runs that share the cores better than in turn; wait for all."""
+    results, waves = [], [cmds[i:i + at_once] for i in range(0, len(cmds), at_once)] if at_once else [cmds]
+    for wave in waves:
+        started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in wave]
+        results += [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
         if check and r.returncode != 0:
             raise RunFailed(f"{' '.join(r.args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")

@@ -78,9 +78,12 @@ FLAGS = ["--batch-size", "32", "--epochs", "2", "--steps-per-epoch", "37", "--lr
 # each stream's files (rows a file), in a folder of its own: 1200 training rows, 200 validation rows
 DATA = {"huggingface": ([300] * 4, [200], False),  # 37 full global batches (of 8 rows from each file) an epoch
         "one file": ([1200], [200], False),  # a stream of one shard: every process reads it whole
-        "webdataset": ([300, 300, 300, 280], [100, 100], True)}  # the shortest shard ends each epoch at step 35
-FULL_STEPS = {"huggingface": 37, "one file": 37, "webdataset": 35}
-TERM_IN_EPOCH_2_STEP_7 = str(1 + 37 + 7)  # the start-up check's forward, epoch 1's 37, then epoch 2's
+        # files as they come: the 200-row one ends after step 25, then the rest of the others makes 12 batches more
+        "uneven": ([400, 350, 250, 200], [200], False),
+        "webdataset": ([300, 300, 300, 280], [100, 100], True)}  # 35 steps of 4 shards, then 1 of the rest (60)
+FULL_STEPS = {"huggingface": 37, "one file": 37, "uneven": 37, "webdataset": 36}
+TERM_IN_EPOCH_2 = {"huggingface": str(1 + 37 + 7), "uneven": str(1 + 37 + 30)}  # the start-up check's forward,
+STOPPED_AFTER = {"huggingface": 8, "uneven": 31}  # epoch 1's 37, then epoch 2's: stopped after that step
 # the other scripts: (name, script, processes, flags, equal to the reference within)
 SCRIPTS = [("dataparallel", "dataparallel.py", 1, ["--workers", "2"], 1e-6),
            ("mp", "distributed_mp.py", 2, ["--workers", "0"], 1e-5),
@@ -122,13 +125,13 @@ def library_runs(tmp_path_factory):
     for stream in DATA:
         specs[stream, "one"] = ("distributed.py", 1, ["--workers", "0"], {})
         specs[stream, "two"] = ("distributed.py", 2, ["--workers", "2"], {})
-    specs["huggingface", "stopped"] = ("distributed.py", 2, ["--workers", "2"],
-                                       {"TERM_AT_FORWARD": TERM_IN_EPOCH_2_STEP_7})
+    for stream, forward in TERM_IN_EPOCH_2.items():
+        specs[stream, "stopped"] = ("distributed.py", 2, ["--workers", "2"], {"TERM_AT_FORWARD": forward})
     for stream in ("huggingface", "webdataset"):
         for name, script, processes, flags, _ in SCRIPTS:
             specs[stream, name] = (script, processes, flags, {})
     commands = {key: run_spec(base, key[0], key[1], *spec) for key, spec in specs.items()}
-    results = run_parallel(list(commands.values()), timeout=500, check=False)
+    results = run_parallel(list(commands.values()), timeout=500, check=False, at_once=8)
     for (cmd, env, folder), result in zip(commands.values(), results):
         result.folder = folder
     return base, dict(zip(commands, results))
@@ -185,13 +188,15 @@ def test_each_sample_is_read_once_over_processes_and_workers_and_decoded_once_in
     """2 processes x 2 workers, 2 epochs: the main processes alone read, each training row once an epoch (one of
     them reads each shard; a one-shard stream is read by both), and each validation row once a validation (both read
     one file); the workers collate. The start-up check adds its 256 samples of the first shard on each process,
-    which the main process reads and decodes (and 2 of them again)."""
+    which the main process reads and decodes (and 2 of them again): fewer where the first shard is smaller. Shards
+    of different sizes change none of it: what is left of the others after the first has ended is still read once."""
     out = output(library_runs, stream, "two")
     reads, decodes = counted(out, "read"), counted(out, "decoded")
     main = {pid for pid, _ in reads}
     collated_by = collections.Counter(pid for (pid, _), times in decodes.items() for _ in range(times))
-    assert len(main) == 2 and all(collated_by[pid] == 2 + 256 for pid in main) and len(collated_by) >= 6
-    train, start_up, rows = per_row(reads, "1-"), 2 * 256, sum(DATA[stream][0])
+    first = {collated_by[pid] - 2 for pid in main}  # the start-up's samples, of the first shard
+    assert len(main) == 2 and len(first) == 1 and first <= {256, *DATA[stream][0]} and len(collated_by) >= 6
+    train, start_up, rows = per_row(reads, "1-"), 2 * first.pop(), sum(DATA[stream][0])
     readers = 2 if stream == "one file" else 1  # processes that read each training row in an epoch
     assert len(train) == rows and max(train.values()) <= 2 * readers + 2  # 2 epochs, and the start-up's
     assert sum(train.values()) <= 2 * readers * rows + start_up
@@ -199,22 +204,26 @@ def test_each_sample_is_read_once_over_processes_and_workers_and_decoded_once_in
     assert set(per_row(reads, "2-").values()) == {validations * (1 if stream == "webdataset" else 2)}
     assert set(per_row(decodes, "2-").values()) == {validations}
     trained = 2 * FULL_STEPS[stream] * 32  # 2 epochs' samples, each collated once; a rank's 4 batches read ahead
-    assert trained <= sum(per_row(decodes, "1-").values()) - 2 * (256 + 2) <= trained + 2 * 2 * 4 * 16
+    assert trained <= sum(per_row(decodes, "1-").values()) - start_up - 4 <= trained + 2 * 2 * 4 * 16
 
 
-def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_one(library_runs, tmp_path):
+@pytest.mark.parametrize("stream", TERM_IN_EPOCH_2)
+def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_one(stream, library_runs):
+    """Stopped in epoch 2, of 4 files of 300 rows at step 8, or of 400, 350, 250 and 200 rows at step 31, after the
+    200-row one ended (step 25): continued on 2 processes and on 1, as if never stopped."""
     base, results = library_runs
-    stopped = results["huggingface", "stopped"]
-    assert stopped.returncode != 0 and "stopped by SIGTERM after step 8/37 of epoch 2" in stopped.stderr, stopped.stderr
+    stopped, step = results[stream, "stopped"], STOPPED_AFTER[stream]
+    assert stopped.returncode != 0 and f"stopped by SIGTERM after step {step}/37 of epoch 2" in stopped.stderr, \
+        stopped.stderr
     folder = stopped.folder
     for name in ("on-two", "on-one"):
         shutil.copytree(folder / "stopped", folder / name)
         shutil.rmtree(folder / name / "counts")
-    again, on_one = run_parallel([run_spec(base, "huggingface", "on-two", "distributed.py", 2, ["--workers", "2"]),
-                                  run_spec(base, "huggingface", "on-one", "distributed.py", 1, ["--workers", "0"])],
+    again, on_one = run_parallel([run_spec(base, stream, "on-two", "distributed.py", 2, ["--workers", "2"]),
+                                  run_spec(base, stream, "on-one", "distributed.py", 1, ["--workers", "0"])],
                                  timeout=300)
-    assert "1 of 2 epochs done and 8 steps of the next" in again.stdout
-    reference = output(library_runs, "huggingface", "two")
+    assert f"1 of 2 epochs done and {step} steps of the next" in again.stdout
+    reference = output(library_runs, stream, "two")
     assert_trained_as_the_reference(folder / "on-two", reference, 1e-6)
     assert_trained_as_the_reference(folder / "on-one", reference, 1e-5)
 

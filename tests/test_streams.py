@@ -206,6 +206,37 @@ def test_the_split_gives_every_sample_of_a_full_global_batch_once_in_order_with_
     assert [s for part in validation for s in part] == [s for b in range(6) for s in range(16 * b + 8, 16 * b + 16)]
 
 
+class Files(torch.utils.data.IterableDataset):
+    """A stream of files of these many samples (file, i), with n_shards and shard() as a Hugging Face stream has."""
+
+    def __init__(self, sizes: dict[int, int]):
+        self.sizes = sizes
+
+    n_shards = property(lambda self: len(self.sizes))
+
+    def shard(self, num_shards: int, index: int) -> "Files":
+        return Files(dict(list(self.sizes.items())[index::num_shards]))
+
+    def __iter__(self):
+        return ((f, i) for f, size in self.sizes.items() for i in range(size))
+
+
+def test_shards_of_different_sizes_give_every_sample_once_in_an_order_of_the_stream_alone():
+    """Files of 40, 35, 25 and 20 samples, batch 8: 4 readers of one file, 2 samples of each a batch, until the
+    20-sample one ends (10 batches); then what the others have left, 2 of each in turns (the 25-sample file's last 1
+    alone), cut into batches of 8: all 120 samples, 15 batches. As micro-batches (accumulation) the same."""
+    files = Files({0: 40, 1: 35, 2: 25, 3: 20})
+    batches = list(utils.StreamSampler(files, 8, 0, 1))
+    assert batches[:10] == [[(f, i) for f in range(4) for i in (2 * b, 2 * b + 1)] for b in range(10)]
+    turns = [[(f, i) for f in range(3) if i < files.sizes[f]] for i in range(20, 40)]
+    rest = [sample for turn in zip(turns[0::2], turns[1::2]) for f in range(3) for sample in
+            [s for part in turn for s in part if s[0] == f]]
+    assert [s for batch in batches[10:] for s in batch] == rest and len(batches) == 15
+    assert sorted(s for batch in batches for s in batch) == sorted(iter(files))
+    micro = list(utils.StreamSampler(files, 4, 0, 1, micro_batches=2))
+    assert [a + b for a, b in zip(micro[0::2], micro[1::2])] == batches and len(micro) == 30
+
+
 def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     yours = users_code(YOUR_STREAM)
     args = argparse.Namespace(steps_per_epoch=None, batch_size=32)
