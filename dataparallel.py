@@ -173,8 +173,8 @@ def main():
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
     flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device,
                                               unused_ok=True)  # no DDP reducer to wait for their gradients
-    if args.sync_bn:
-        raise UsageError("--sync-bn works with DDP only: use distributed.py")
+    if args.sync_bn or args.comm_hook:
+        raise UsageError("--sync-bn and --comm-hook work with DDP only: use distributed.py")
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     if gpus:

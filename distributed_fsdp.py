@@ -393,9 +393,10 @@ def main():
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = build_once(args, num_classes, rank)  # rank 0 builds (or reads) the weights; the others, no memory
-    if args.sync_bn or args.find_unused_parameters:
-        raise UsageError("--sync-bn and --find-unused-parameters are DDP's: FSDP shards normalisation statistics "
-                         "with nothing and trains parameters without gradient as they are; use distributed.py")
+    if args.sync_bn or args.find_unused_parameters or args.comm_hook:
+        raise UsageError("--sync-bn, --find-unused-parameters and --comm-hook are DDP's: FSDP shards normalisation "
+                         "statistics with nothing and trains parameters without gradient as they are; use "
+                         "distributed.py")
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
     place = torch.device("cpu") if args.cpu_offload else device  # where the shards will be (offloaded: host memory)

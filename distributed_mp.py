@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, first_line, log
@@ -228,6 +229,8 @@ def train(local_rank: int, args) -> None:
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True, find_unused_parameters=args.find_unused_parameters,
                 **utils.no_buffer_sync_per_forward())
+    if args.comm_hook:  # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW

@@ -108,6 +108,8 @@ def build_parser(description: str) -> ArgumentParser:
     add("--output-dir", default="./output", help="where rank 0 writes checkpoint.pt and metrics.jsonl")
     add("--save-every", type=int, default=None, metavar="N", help="also save a checkpoint every N optimizer steps")
     add("--find-unused-parameters", action="store_true", help="DDP: allow parameters without a gradient in some steps")
+    add("--comm-hook", choices=["bf16"], default=None,
+        help="DDP: all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook)")
     return p
 
 
@@ -302,6 +304,15 @@ def gathered(obj) -> list:  # every rank's obj, in rank order (a collective); [o
     if len(objects) > 1:
         dist.all_gather_object(objects, obj)
     return objects
+
+
+def gathered_on_rank_0(obj) -> list | None:  # every rank's obj, its tensors copied to the CPU, on rank 0 alone
+    obj = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), obj)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    objs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, objs, dst=0)
+    return objs
 
 
 def unwrap(model: nn.Module) -> nn.Module:  # the plain module inside DDP / DataParallel / torch.compile wrappers
@@ -850,10 +861,10 @@ class StepRecords:
         for record in epochs:
             self.epoch_to_wandb(record)
 
-    def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor) -> None:
+    def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor, **more: float) -> None:
         """A training record (a collective: every rank calls it at the same step); a diverged run stops here."""
         record = dict(**self.meter.since_record(), lr=lr, grad_norm=float(grad_norm),
-                      peak_mem_mb=peak_memory_mb(self.meter.sums.device))
+                      peak_mem_mb=peak_memory_mb(self.meter.sums.device), **more)
         check_finite(None, epoch, step, record, self.args)
         left = self.args.batch_size / record["images_per_s"] * (self.steps_per_epoch - step)
         self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")

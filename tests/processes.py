@@ -4,8 +4,10 @@ afterwards: torchrun puts its workers in sessions of their own, so they are
 found by a marker in their environment, not by process group."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -262,3 +264,41 @@ def assert_wandb_equals_the_records(output_dir: Path, runs: int) -> None:
 def assert_same_row(row: dict, wanted: dict) -> None:  # the learned values; a killed run's speed and memory differ
     learned = {key for key in wanted if key.removeprefix("epoch/") not in MEASURED}
     assert {k: row[k] for k in learned} == pytest.approx({k: wanted[k] for k in learned}, rel=1e-6), row
+
+
+SUBNET = "10.231.7"  # private addresses that exist only inside these namespaces
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def can_make_hosts() -> bool:  # network namespaces need root and iproute2
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+@contextlib.contextmanager
+def two_hosts():
+    """Two hosts on one machine, network namespaces joined by a veth pair: [(namespace, address, interface)] for
+    host 0 and host 1, removed afterwards."""
+    tag = os.getpid() % 100_000
+    hosts = [(f"ddp{tag}n{i}", f"{SUBNET}.{i + 1}", f"ve{tag}n{i}") for i in (0, 1)]
+    try:
+        for namespace, _, _ in hosts:
+            ip("netns", "add", namespace)
+        ip("link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])
+        for namespace, address, interface in hosts:
+            ip("link", "set", interface, "netns", namespace)
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
+            ip("-n", namespace, "link", "set", interface, "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for namespace, _, _ in hosts:  # deleting a namespace deletes its end of the veth
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+
+
+def on_host(host, *cmd) -> tuple[list, dict]:
+    namespace, _, interface = host
+    # gloo must use the link between the hosts, not the loopback device
+    return ["ip", "netns", "exec", namespace, PYTHON, *cmd], {"GLOO_SOCKET_IFNAME": interface}

@@ -2,47 +2,18 @@
 runs one node of the job, so rendezvous and gradients really cross a network."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import pytest
 
-from processes import PYTHON, TINY, free_port, max_weight_difference, metrics, run_parallel
-
-SUBNET = "10.231.7"  # private addresses that exist only inside these test namespaces
+from processes import TINY, can_make_hosts, free_port, max_weight_difference, metrics, on_host, run_parallel, two_hosts
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-@pytest.fixture
-def two_hosts():
+@pytest.fixture(name="two_hosts")
+def two_hosts_fixture():
     """[(namespace, address, interface)] for host 0 and host 1; removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
+    if not can_make_hosts():
         pytest.skip("needs root and iproute2 (ip) to create network namespaces")
-    tag = os.getpid() % 100_000
-    hosts = [(f"ddp{tag}n{i}", f"{SUBNET}.{i + 1}", f"ve{tag}n{i}") for i in (0, 1)]
-    try:
-        for namespace, _, _ in hosts:
-            ip("netns", "add", namespace)
-        ip("link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])
-        for namespace, address, interface in hosts:
-            ip("link", "set", interface, "netns", namespace)
-            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
-            ip("-n", namespace, "link", "set", interface, "up")
-            ip("-n", namespace, "link", "set", "lo", "up")
+    with two_hosts() as hosts:
         yield hosts
-    finally:
-        for namespace, _, _ in hosts:  # deleting a namespace deletes its end of the veth
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
-
-
-def on_host(host, *cmd) -> tuple[list, dict]:
-    namespace, _, interface = host
-    # gloo must use the link between the hosts, not the loopback device
-    return ["ip", "netns", "exec", namespace, PYTHON, *cmd], {"GLOO_SOCKET_IFNAME": interface}
 
 
 def test_torchrun_across_two_hosts(two_hosts, tmp_path, reference):

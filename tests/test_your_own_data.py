@@ -433,9 +433,10 @@ def code_lines(path: Path) -> int:
 # each script's code lines: those of issue 23, plus 12 for issue 27's records
 # each script's code lines before streams (issue 28) + 12
 # distributed_fsdp.py: 400, issue 34's bound for FSDP at scale
-# issue 35 (EMA, W&B): each script's code lines before it + 8
-SCRIPT_LINES = {"dataparallel.py": 194, "distributed.py": 233, "distributed_mp.py": 259, "distributed_amp.py": 256,
-                "distributed_grad_accum.py": 262, "distributed_fsdp.py": 408}
+# issue 35 (EMA, W&B): each script's code lines before it + 8; issue 45: + 3 for --comm-hook (the DDP scripts), + 1
+# for its line (FSDP); distributed_diloco.py: distributed.py's + 60 (issue 45); issue 44: + 1 for accumulation's stream
+SCRIPT_LINES = {"dataparallel.py": 194, "distributed.py": 236, "distributed_mp.py": 262, "distributed_amp.py": 259,
+                "distributed_grad_accum.py": 266, "distributed_fsdp.py": 409, "distributed_diloco.py": 236 + 60}
 
 
 def test_utils_lists_its_sections_and_each_script_holds_its_recipe():
@@ -447,7 +448,8 @@ def test_utils_lists_its_sections_and_each_script_holds_its_recipe():
     assert len(headers) == len(listed) >= 10 and all(
         line.startswith(f"- {header}: ") for header, line in zip(headers, listed)), (headers, listed)
     assert all(len(line) == 78 for line in source.splitlines() if line.startswith("# ---")), "headers 78 wide"
-    for script in [*CASES, "distributed_fsdp.py"]:
+    assert code_lines(ROOT / "distributed_diloco.py") <= code_lines(ROOT / "distributed.py") + 60
+    for script in [*CASES, "distributed_fsdp.py", "distributed_diloco.py"]:
         source = (ROOT / script).read_text()
         # FSDP also owns its sharding units and its sharded checkpoints
         assert code_lines(ROOT / script) <= SCRIPT_LINES[script], script
@@ -460,5 +462,6 @@ def test_utils_lists_its_sections_and_each_script_holds_its_recipe():
         if script != "dataparallel.py":
             calls += ["init_process_group(", "DistributedSampler(", "range(rank, len(val_set), world_size)",
                       "dist.broadcast(", "destroy_process_group()", "barrier()"]
-            calls += ["fully_shard(", "dcp.save(", "dcp.load("] if script == "distributed_fsdp.py" else ["DDP("]
+            calls += {"distributed_fsdp.py": ["fully_shard(", "dcp.save(", "dcp.load("],
+                      "distributed_diloco.py": ["DiLoCo(", "diloco.step("]}.get(script, ["DDP("])
         assert all(call in source for call in calls), (script, [c for c in calls if c not in source])
