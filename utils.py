@@ -850,7 +850,7 @@ class StepRecords:
                 raise UsageError(f"--wandb cannot start its run ({first_line(e)}): wandb login, or set "
                                  f"WANDB_MODE=offline") from None
             self.wandb.define_metric("*", step_metric="global_step")
-            self.replay([json.loads(line) for line in kept["global_step"]], [json.loads(line) for line in kept["epoch"]])
+            self.replay(*([json.loads(line) for line in kept[key]] for key in ("global_step", "epoch")))
 
     def replay(self, records: list[dict], epochs: list[dict]) -> None:  # to W&B: each epoch's line after its records
         for record in records:

@@ -23,8 +23,8 @@ from processes import ROOT, can_make_hosts, free_port, metrics, on_host, run_par
 JOB = ["--dataset", "fake", "--fake-size", "1024", "--image-size", "16", "--arch", "resnet18", "--batch-size", "64",
        "--ema", "0.9", "--workers", "0", "--print-freq", "4", "--timeout", "600"]
 CASES = [("DDP float32", "distributed.py", []), ("DDP --comm-hook bf16", "distributed.py", ["--comm-hook", "bf16"]),
-         ("DiLoCo H=8", "distributed_diloco.py", ["--inner-steps", "8"]),
-         ("DiLoCo H=32", "distributed_diloco.py", ["--inner-steps", "32"])]
+         ("DiLoCo H=8", "distributed_diloco.py", ["--inner-steps", "8", "--outer-momentum", "0.5"]),
+         ("DiLoCo H=32", "distributed_diloco.py", ["--inner-steps", "32", "--outer-momentum", "0.5"])]
 
 
 def limit(hosts, rate: str) -> None:

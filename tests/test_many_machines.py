@@ -1,8 +1,9 @@
-"""For machines joined by an ordinary network. DDP's --comm-hook bf16 (gradients all-reduced in bfloat16): the main
-job learns, and a stopped run continues exactly. distributed_diloco.py, proved as every script is: one inner step with --outer-lr 1 and no outer momentum is DDP's
-step (SGD's momentum and weight decay are linear), H inner steps on one process are plain training, a run stopped
-within an inner cycle continues exactly (every process's copy and inner optimizer are in the checkpoint), on another
-number of processes it ends in one line, its records count the bytes each process sends, and the main job learns."""
+"""For machines joined by an ordinary network. DDP's --comm-hook bf16 (gradients all-reduced in bfloat16): the main job
+learns, and a stopped run continues exactly. distributed_diloco.py, proved as every script is: one inner step with
+--outer-lr 1 and no outer momentum is DDP's step (SGD's momentum and weight decay are linear), H inner steps on one
+process are plain training, a run stopped within an inner cycle continues exactly (every process's copy and inner
+optimizer are in the checkpoint), on another number of processes it ends in one line, its records count the bytes
+each process sends, and the main job learns."""
 from __future__ import annotations
 
 import pytest
