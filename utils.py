@@ -2,16 +2,18 @@
 
 Its sections, in this order:
 - flags and errors: the flags every script shares (build_parser, check_args), UsageError, and run_main, which ends
-  every error in one line;
+  every error of ours or a library's in one line (raised_in tells them from the user's own, which keep their
+  traceback);
 - logging: rank 0 prints progress, the other ranks warnings;
 - distributed: joining the group (rendezvous_store, fresh_namespace, describe_init_error), all_reduce, gathered,
-  unwrap, local;
+  gathered_on_rank_0, unwrap, local;
 - the watchdog: no silent hang: Watchdog, which ends every rank within --timeout of a stall, naming the stalled
   rank, its step and its line, with every rank's stacks in OUTPUT_DIR/stalls/; init_worker, a DataLoader worker's
   start (it leaves SIGTERM to its rank and writes its stack when asked);
 - any batch, any task: Counted (samples per batch), forward, loss_for_backward, logits, class_indices;
-- data: batch_to_device (each batch is progress for the watchdog), StreamSampler, Samples, steps_per_epoch,
-  epoch_loader, worker_start (DataLoader workers from a forkserver), first_samples;
+- data: batch_to_device (each batch is progress for the watchdog), StreamSampler (a stream's global batches, every
+  sample once whatever its shards' sizes), Samples, steps_per_epoch, epoch_loader, worker_start (DataLoader
+  workers from a forkserver), first_samples;
 - metering and records: Meter, StepRecords (steps.jsonl, TensorBoard, W&B), numbers, memory;
 - checks: one line for what would fail: check_finite, check_first_step, check_loss, check_class_targets;
 - optimizer, schedule, weight average: build_optimizer, warmup_cosine, EMA;
@@ -141,6 +143,20 @@ def check_args(args: argparse.Namespace) -> None:
 
 def first_line(error: BaseException) -> str:  # PyTorch's distributed errors append a C++ stack trace: keep line one
     return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
+def raised_in(error: BaseException, *places: str) -> bool:
+    """Was error raised (its innermost frame) in one of these files or folders: a library's or ours, not the user's?"""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(places)
+
+
+def at(error: BaseException) -> str:
+    """", at collate (distributed.py:66)": the user's line that called the library that raised error, if any."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = max((i for i, f in enumerate(frames) if f.filename == __file__), default=-1)
+    frame = user_frame(frames[ours + 1:])  # below utils' frames: in the user's collate or model, not the script's call
+    return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
 
 
 class Stopped(Exception):
@@ -452,20 +468,6 @@ BUSY = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/|torch/seria
                   r"torch/distributed/checkpoint/|safetensors|:save_pretrained$")
 LIBRARIES = tuple({*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
                    str(Path(torch.__file__).parents[1])})  # torch's folder too, wherever it is installed
-
-
-def raised_in(error: BaseException, *places: str) -> bool:
-    """Was error raised (its innermost frame) in one of these files or folders: a library's or ours, not the user's?"""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(places)
-
-
-def at(error: BaseException) -> str:
-    """", at collate (distributed.py:66)": the user's line that called the library that raised error, if any."""
-    frames = traceback.extract_tb(error.__traceback__)
-    ours = max((i for i, f in enumerate(frames) if f.filename == __file__), default=-1)
-    frame = user_frame(frames[ours + 1:])  # below utils' frames: in the user's collate or model, not the script's call
-    return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:

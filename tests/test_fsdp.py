@@ -378,10 +378,12 @@ def test_a_sharded_checkpoint_that_cannot_be_read_ends_every_rank_with_one_line(
     ends_every_rank_with(result, f"error: {tmp_path / 'out' / 'checkpoint'} is not readable or does not fit this model")
 
 
-def test_flags_of_ddp_end_in_one_line(tmp_path):
-    result = run(python("distributed_fsdp.py", *TINY, "--sync-bn", "--output-dir", tmp_path), timeout=60, check=False)
+@pytest.mark.parametrize("flag", [["--sync-bn"], ["--comm-hook", "bf16"]])
+def test_flags_of_ddp_end_in_one_line(flag, tmp_path):
+    result = run(python("distributed_fsdp.py", *TINY, *flag, "--output-dir", tmp_path), timeout=60, check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: --sync-bn and --find-unused-parameters are DDP's")
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: --sync-bn, --find-unused-parameters and --comm-hook are DDP's")
 
 
 def test_a_gloo_that_sums_for_the_average_is_named_in_one_line_on_every_rank(tmp_path):
