@@ -315,10 +315,10 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     return tensor
 
 
-def gathered(obj) -> list:  # every rank's obj, in rank order (a collective); [obj] in a world of one
-    objects = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
+def gathered(obj, group=None) -> list:  # every rank's obj, in rank order (a collective); [obj] in a world of one
+    objects = [obj] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if len(objects) > 1:
-        dist.all_gather_object(objects, obj)
+        dist.all_gather_object(objects, obj, group=group)
     return objects
 
 
@@ -641,11 +641,7 @@ class StreamSampler:
         return (share[i:i + self.part] for i in range(0, len(share), self.part))
 
     def agreed(self, full: bool) -> bool:  # has every rank read a full chunk of each of its readers? (a collective)
-        if self.group:
-            flag = torch.tensor([int(full)])
-            dist.all_reduce(flag, dist.ReduceOp.MIN, group=self.group)
-            full = bool(flag)
-        return full
+        return bool(all_reduce(torch.tensor([int(full)]), dist.ReduceOp.MIN, self.group)) if self.group else full
 
     def rest(self, readers: dict, chunks: dict, chunk: int):
         """The samples after the first reader ended, alike on every rank: from each reader that has more, in reader
@@ -653,19 +649,12 @@ class StreamSampler:
         chunks to all (a collective a turn): each sample is still read once."""
         mine = {v: c for v, c in chunks.items() if v * chunk // self.share == self.rank}  # readers this rank sends
         while True:
-            turn = {v: c for part in self.gathered(mine) for v, c in part.items()}
+            turn = {v: c for part in (gathered(mine, self.group) if self.group else [mine]) for v, c in part.items()}
             for v in sorted(turn):
                 yield from turn[v]
             mine = {v: list(itertools.islice(readers[v], chunk)) for v, c in mine.items() if len(c) == chunk}
             if not any(len(c) == chunk for c in turn.values()):  # every reader has ended
                 return
-
-    def gathered(self, obj) -> list:  # every rank's obj, in this sampler's group
-        if not self.group:
-            return [obj]
-        objs = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(objs, obj, group=self.group)
-        return objs
 
     def first(self, n: int) -> list:
         """The first reader's first n samples, alike on every rank (a collective), or else the stream splits itself."""
