@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import stalls
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -75,8 +76,8 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
     # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=utils.init_worker,
-                  multiprocessing_context=utils.worker_start(args.workers))
+                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
+                  multiprocessing_context=stalls.worker_start(args.workers))
     # one process loads the whole batch; DataParallel splits it over the GPUs
     if isinstance(train_set, IterableDataset):  # a stream, read here as the DDP scripts read it at world size 1
         train_sampler = utils.StreamSampler(train_set, args.batch_size, 0, 1)
@@ -152,7 +153,8 @@ def main():
     with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
         if rank == 0:
             utils.check_output_dir(output_dir)
-    utils.Watchdog(args.timeout, output_dir, rank)  # from here a rank stalled --timeout s ends every rank
+    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")

@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import stalls
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,7 +123,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout + utils.Watchdog.grace,  # the watchdog names a stalled rank first
+                                timeout=timeout + stalls.GRACE,  # the watchdog names a stalled rank first
                                 device_id=device if "nccl" in backend else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
@@ -141,8 +142,8 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
     # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=utils.init_worker,
-                  multiprocessing_context=utils.worker_start(args.workers))
+                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
+                  multiprocessing_context=stalls.worker_start(args.workers))
     if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
         # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
         train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
@@ -306,9 +307,10 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
     that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
     new, old = directory.with_name(directory.name + ".new"), directory.with_name(directory.name + ".old")
     try:
-        dcp.save(state, checkpoint_id=new)
+        with utils.progress.writing(directory, new):  # progress while the shard files grow
+            dcp.save(state, checkpoint_id=new)
         if torch.cuda.is_available():  # it copied GPU shards through pinned host memory, which CUDA keeps cached:
-            torch._C._host_emptyCache()  # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
+            utils.free_cached_host_memory()  # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         error = next(error for error, _ in e.failures.values())  # a failed write() names no file: name the directory
         if isinstance(error, OSError) and error.errno:
@@ -370,7 +372,8 @@ def main():
         if rank == 0:
             utils.check_output_dir(output_dir)
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)  # a killed write's
-    utils.Watchdog(args.timeout, output_dir, rank)  # from here a rank stalled --timeout s ends every rank
+    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     if args.replicate < 1 or world_size % args.replicate:

@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import utils  # first: it quiets PyTorch's C++ logging before torch loads
+import stalls
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -99,7 +100,7 @@ def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.devic
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout + utils.Watchdog.grace,  # the watchdog names a stalled rank first
+                                timeout=timeout + stalls.GRACE,  # the watchdog names a stalled rank first
                                 device_id=device if backend == "nccl" else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method)) from None
@@ -112,8 +113,8 @@ def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, worl
     # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
     # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
     common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=utils.init_worker,
-                  multiprocessing_context=utils.worker_start(args.workers))
+                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
+                  multiprocessing_context=stalls.worker_start(args.workers))
     if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
         # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
         train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
@@ -200,7 +201,8 @@ def train(local_rank: int, args) -> None:
     with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
         if rank == 0:
             utils.check_output_dir(output_dir)
-    utils.Watchdog(args.timeout, output_dir, rank)  # from here a rank stalled --timeout s ends every rank
+    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
              f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "

@@ -22,9 +22,9 @@ Its sections, in this order:
 """
 from __future__ import annotations
 
-import argparse, contextlib, datetime, errno, faulthandler, functools, gc, hashlib, importlib, inspect, itertools
+import argparse, contextlib, datetime, errno, functools, gc, hashlib, importlib, inspect, itertools
 import json, logging, math, multiprocessing, multiprocessing.connection, multiprocessing.forkserver, os, pickle, re
-import resource, shutil, signal, socket, sys, sysconfig, tempfile, threading, time, traceback, uuid
+import resource, shutil, signal, socket, sys, sysconfig, tempfile, time, traceback, uuid
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from urllib.parse import urlparse
@@ -102,7 +102,9 @@ def build_parser(description: str) -> ArgumentParser:
     add("--dist-url", default=None, help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)")
     add("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with CUDA, else gloo")
     add("--timeout", type=float, default=300,
-        help="seconds before a stuck rendezvous fails, or a rank without progress ends every rank, named")
+        help="seconds before a stuck rendezvous fails, or a stalled rank ends every rank, named: from the first "
+             "step, no batch or saved byte on any rank for S seconds; before it, a rank that another waited S "
+             "seconds for (start-up work itself has no bound)")
     add("--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs")
     add("--channels-last", action="store_true", help="NHWC model and images (faster on Tensor Cores)")
     add("--compile", action="store_true", help="compile the model with torch.compile")
@@ -168,11 +170,21 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda line: sys.stderr.write(f"{line}\n")):
+def write_line(line: str) -> None:
+    """A line on stderr in one write(): print() writes the newline apart, so lines of ranks failing at
+    once could run together."""
+    sys.stderr.write(f"{line}\n")
+
+
+# Where a run's last line goes: stderr, or distributed_mp.py's parent (run_main's say).
+say_line: Callable[[str], object] = write_line
+
+
+def run_main(main: Callable[[], None], say: Callable[[str], object] = write_line):
     """Run main(); a user's error ends in one line, said (printed, or to distributed_mp.py's parent), exit 1."""
-    # a line in one write(): print() writes the newline apart, so lines of ranks failing at once could run together
     status: int | str = 0
-    Watchdog.say = say
+    global say_line
+    say_line = say
     try:
         main()
     except Stopped as e:
@@ -201,8 +213,7 @@ def run_main(main: Callable[[], None], say: Callable[[str], object] = lambda lin
     except Exception:  # a bug, the user's or ours: its traceback, then os._exit below (no exit that waits on workers)
         status = traceback.print_exc() or 1
     finally:  # after the except blocks, whose exception kept main's frames (the model, DDP, FSDP) alive
-        if Watchdog.active:  # a watchdog ending the run (this error followed from the stall) ends it alone
-            Watchdog.active.close()
+        progress.close()  # a watchdog ending the run (this error followed from the stall) ends it alone
         if (wandb := sys.modules.get("wandb")) and wandb.run:  # its records on disk before os._exit below
             wandb.finish(exit_code=int(status != 0))
         gc.collect()  # free them and their process groups while the interpreter is whole
@@ -341,199 +352,108 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-# ------------------------------------------ the watchdog: no silent hang ----
+# -------------------------------------------------------------- progress ----
 
-class Watchdog:
-    """A rank that makes no progress for --timeout seconds (no batch of training or validation: batch_to_device notes
-    each; a compile or a save counts as progress) ends every rank a few seconds later, each saying one line: which
-    rank stalled, at which step, and the line of the user's code or the script its main thread is in. The ranks learn
-    of each other through the rendezvous store, never a collective (that is what waits): a beat every few seconds,
-    none per step. Each rank writes the stacks of its threads, and of its DataLoader workers, to OUTPUT_DIR/stalls/."""
+class Progress:
+    """What the run tells a watcher of its progress: a batch arrived, a save is writing. This one does
+    nothing; stalls.Watchdog, which ends a stalled run, takes its place (utils.progress = ...)."""
 
-    active: Watchdog | None = None  # this process's: batch_to_device notes progress on it, run_main closes it
-    say: Callable[[str], object] = print  # run_main's: the line to the console, or to distributed_mp.py's parent
-    grace = datetime.timedelta(seconds=30)  # collectives wait this much longer than --timeout: the watchdog ends first
+    def batch(self, key: tuple[int, int] | None) -> None:
+        """A batch arrived: of training, key (epoch, step); of validation, key None."""
 
-    def __init__(self, timeout: float, output_dir: Path, rank: int):
-        self.timeout, self.dir, self.rank = timeout, Path(output_dir) / "stalls", rank
-        self.key, self.validating = None, False  # where this rank is: the last training batch's (epoch, step)
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # the store the process group met in, under a prefix of its own (a torchrun restart's is new)
-        store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
-        self.store = store and dist.PrefixStore("watchdog/", store)
-        self.main, self.beats, self.closed, self.ending = threading.main_thread().ident, 0, False, False
-        self.moved = self.last = time.monotonic()  # this rank's last progress; any rank's, as far as it knows
-        self.progressed = False  # since the last beat
-        Watchdog.active = self
-        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+    @contextlib.contextmanager
+    def writing(self, path: Path, growing: Path | None = None):
+        """A save writes path within; growing is the file or folder that grows meanwhile."""
+        yield
 
-    def progress(self, key: tuple[int, int] | None) -> None:  # a batch: (epoch, step) of training, None of validation
-        self.moved = self.last = time.monotonic()
-        self.progressed, self.validating, self.key = True, key is None and self.key is not None, key or self.key
-
-    def watch(self) -> None:
-        beat = min(2.0, self.timeout / 10)  # a store round trip this often at most
-        while not self.closed:
-            time.sleep(beat)
-            # a C call that holds the GIL stops this thread too: faulthandler's own thread then dumps and ends it
-            faulthandler.dump_traceback_later(self.timeout + 2 * self.grace.total_seconds(), exit=True)
-            if self.busy():  # compiling, saving: progress, however long
-                self.moved = self.last = time.monotonic()
-                self.progressed = True
-            alarm = time.monotonic() - self.last >= self.timeout
-            try:
-                if self.store and not alarm:  # a beat of every rank that moved; any rank's move is everyone's
-                    beats = self.store.add("beats", int(self.progressed))
-                    self.progressed, alarm = False, self.store.check(["alarm"])
-                    if beats != self.beats:  # some rank moved: not a stall, though this one waits
-                        self.beats, self.last = beats, time.monotonic()
-                if alarm and not self.closed:
-                    self.end()
-            except RuntimeError:  # the store's host has ended (the run's end): nothing left to watch
-                faulthandler.cancel_dump_traceback_later()
-                return
-
-    @staticmethod
-    def busy() -> bool:  # any thread's: a backward on a GPU, compiled on first use, runs in autograd's own thread
-        return any(BUSY.search(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-                   for top in sys._current_frames().values() for frame, _ in traceback.walk_stack(top))
-
-    def main_stack(self) -> list[traceback.FrameSummary]:
-        frame = sys._current_frames().get(self.main)
-        return traceback.extract_stack(frame) if frame else []
-
-    def end(self) -> None:
-        """Write this rank's report and stacks, read every rank's, say the line, end: within a few seconds."""
-        self.ending = True
-        try:  # whatever fails here, the process ends: its main thread waits in close() for this one
-            reports = [dict(rank=self.rank, seconds=round(time.monotonic() - self.moved), seq=collectives_started(),
-                            position=self.position(), where=self.where(self.write_stacks()))]
-            with contextlib.suppress(RuntimeError):  # the store's host has ended: this rank's report alone
-                if self.store:
-                    self.store.add("alarm", 1)
-                    self.store.set(f"report/{self.rank}", json.dumps(reports[0]))
-                    keys = [f"report/{r}" for r in range(self.world)]
-                    wait_until(lambda: self.store.check(keys), 5)  # the others see the alarm within a beat
-                    reports = [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
-                    self.store.add("read", 1)  # the store's host (rank 0, for tcp://) ends once every rank has read
-                    wait_until(lambda: self.store.add("read", 0) >= self.world, 5)
-            Watchdog.say(stall_line(reports, self.world, self.timeout, self.dir))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-
-    def position(self) -> str:
-        if self.key is None:
-            return "before training"
-        epoch_step = f"step {self.key[1]} of epoch {self.key[0] + 1}"
-        return f"in validation after {epoch_step}" if self.validating else f"at {epoch_step}"
-
-    def write_stacks(self) -> list[traceback.FrameSummary]:
-        """Every thread's stack, and every DataLoader worker's, to stalls/rankR.txt; the frames where this rank is."""
-        frames, lines = self.main_stack(), []
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
-        for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != self.main):  # main first
-            if ident != threading.get_ident():  # not this thread's, which only writes them
-                lines += [f"rank {self.rank}, thread {names.get(ident, ident)}:\n", *traceback.format_stack(frame),
-                          "\n"]
-        if any(f.name == "_try_get_data" for f in frames):  # waiting for a DataLoader worker: what do its workers do?
-            for pid, worker_frames, text in worker_stacks():
-                lines += [f"rank {self.rank}, DataLoader worker (pid {pid}):\n", text, "\n"]
-                if user_frame(worker_frames):
-                    frames = worker_frames  # the worker's line is the one to name
-        with contextlib.suppress(OSError):  # a full or read-only disk: the line still comes
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / f"rank{self.rank}.txt").write_text("".join(lines))
-            if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # for torch.distributed.flight_recorder
-                trace = torch._C._distributed_c10d._dump_nccl_trace()
-                (self.dir / f"nccl_trace_rank_{self.rank}").write_bytes(trace)
-        return frames
-
-    @staticmethod
-    def where(frames: list[traceback.FrameSummary]) -> str:
-        frame = user_frame(frames) or (frames[-1] if frames else None)
-        worker = " in a DataLoader worker" if "_worker_loop" in {f.name for f in frames} else ""
-        return f"in {frame.name} ({Path(frame.filename).name}:{frame.lineno}){worker}" if frame else "where unknown"
-
-    def close(self) -> None:  # main() has ended: a watchdog that is ending the run finishes it, else it stops
-        self.closed = True
-        faulthandler.cancel_dump_traceback_later()
-        while self.ending:
-            time.sleep(1)
+    def close(self) -> None:
+        """The run has ended."""
 
 
-# the files of a compile (not torch._dynamo's disable wrapper, which much of torch runs through) or a save
-BUSY = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/|torch/serialization\.py|"
-                  r"torch/distributed/checkpoint/|safetensors|:save_pretrained$")
+progress = Progress()
+
+# The files of the standard library and installed packages, torch's wherever it is installed.
 LIBRARIES = tuple({*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-                   str(Path(torch.__file__).parents[1])})  # torch's folder too, wherever it is installed
+                   str(Path(torch.__file__).parents[1])})
+# This file and the optional ones beside it: ours, not the user's.
+OURS = tuple(str(Path(__file__).with_name(name)) for name in ("utils.py", "stalls.py", "streams.py"))
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's code or the script (one of utils.py's if none): not a library's."""
-    ours = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
-    return next((f for f in reversed(ours) if f.filename != __file__), ours[-1] if ours else None)
+    """The innermost frame of the user's code or the script (one of ours if none): not a library's."""
+    not_libraries = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
+    for frame in reversed(not_libraries):
+        if frame.filename not in OURS:
+            return frame
+    if not_libraries:
+        return not_libraries[-1]
+    return None
 
 
-def collectives_started() -> int:  # by this rank, in all its groups: the rank with fewest is the one others wait for
-    with contextlib.suppress(RuntimeError, AttributeError):
-        return sum(group._get_sequence_number_for_group() for group in dist.distributed_c10d._world.pg_map)
-    return 0
+# ------------------------------------------------ PyTorch's insides we reach ----
+# Every private name of PyTorch or Python's multiprocessing that the scripts, utils.py and stalls.py
+# use is reached here alone. tests/test_internals.py checks that each exists on the installed
+# PyTorch, so an upgrade that renames one fails that test, not a user's run; where one is missing
+# all the same, what it serves says so (the stall line names no rank) instead of going wrong.
+
+# The frame of a DataLoader waiting for a worker, and of a worker's loop.
+DATALOADER_WAIT = "_try_get_data"
+WORKER_LOOP = "_worker_loop"
+# The files of a compile (not torch._dynamo's disable wrapper, which much of torch runs through).
+COMPILE_FILES = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/")
 
 
-def stall_line(reports: list[dict], world: int, timeout: float, stacks: Path) -> str:
-    """The one line every rank says: the ranks that stalled (that started fewest collectives, or did not answer)."""
-    seqs, answered = {r["seq"] for r in reports}, {r["rank"] for r in reports}
-    # a rank that did not answer is the one; else those behind the others, else (all in one place) every rank
-    stalled = [r for r in reports if r["seq"] == min(seqs) and (len(seqs) > 1 or len(answered) == world)]
-    parts = [f"rank {r['rank']} made no progress for {max(r['seconds'], round(timeout))} s {r['position']}, "
-             f"{r['where']}" for r in stalled]
-    parts += [f"rank {r} did not answer (its main thread holds the GIL? it ends with its stacks on stderr)"
-              for r in range(world) if r not in answered]
-    if len(parts) < world:
-        parts.append(f"the other ranks waited for {'it' if len(parts) == 1 else 'them'} in a collective")
-    return f"error: {'; '.join(parts)}; every rank's stacks in {stacks}/"
+def collectives_started() -> int | None:
+    """The collectives this rank has started in all its groups (the rank with fewest is the one the
+    others wait for), or None where PyTorch no longer tells."""
+    try:
+        groups = dist.distributed_c10d._world.pg_map
+        return sum(group._get_sequence_number_for_group() for group in groups)
+    except (AttributeError, RuntimeError):
+        return None
 
 
-def wait_until(condition: Callable[[], bool], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def default_store() -> dist.Store | None:
+    """The store the default process group met in, or None where PyTorch no longer tells."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        return None
+    return get_store()
 
 
-def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
-    """(pid, frames, text) of this process's DataLoader workers: each writes its stack when signalled (init_worker)."""
-    pids = [child.pid for child in multiprocessing.active_children()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-            os.kill(pid, signal.SIGUSR2)
-    paths = [worker_stack_path(pid) for pid in pids]
-    wait_until(lambda: all(p.exists() for p in paths), 2)
-    stacks = []
-    for pid, path in zip(pids, paths):
-        with contextlib.suppress(OSError, ValueError):
-            frames, text = json.loads(path.read_text())
-            stacks.append((pid, [traceback.FrameSummary(*f, lookup_line=False) for f in frames], text))
-            path.unlink()
-    return stacks
+def nccl_trace() -> bytes | None:
+    """NCCL's Flight Recorder trace of this rank's last collectives, or None."""
+    try:
+        return torch._C._distributed_c10d._dump_nccl_trace()
+    except Exception:  # missing, or failing: the stall line must come all the same
+        return None
 
 
-def worker_stack_path(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"dataloader-worker-{pid}.stack.json"
+def free_cached_host_memory() -> None:
+    """Give back the pinned host memory CUDA keeps cached (a sharded save copies through it)."""
+    empty_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_cache is not None:
+        empty_cache()
 
 
-def init_worker(worker_id: int) -> None:
-    """A DataLoader worker's start: it leaves SIGTERM to its rank (torchrun, Slurm, docker stop signal workers too,
-    where PyTorch's handler would end them, the epoch unsaved), and writes its stack when the watchdog asks."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, lambda signum, frame: write_atomically(worker_stack_path(os.getpid()), json.dumps(
-        [[(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)],
-         "".join(traceback.format_stack(frame))]).encode()))
-    # its parent is the forkserver, which PyTorch's worker loop watches: it ends itself when its rank has ended
-    if rank := multiprocessing.parent_process():
-        threading.Thread(target=lambda: multiprocessing.connection.wait([rank.sentinel]) and os._exit(0),
-                         daemon=True, name="rank watch").start()
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """A GradScaler's scale as a tensor on the device (get_scale() would wait for the device)."""
+    return scaler._scale
+
+
+def start_forkserver(folders: list[str]) -> None:
+    """Start multiprocessing's forkserver now, finding the modules it preloads in folders."""
+    # It reads PYTHONPATH, not sys.path, whatever the working directory.
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*folders, *([path] if path else [])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = path
+
 
 
 # --------------------------------------------------- any batch, any task ----
@@ -578,8 +498,7 @@ def batch_to_device(batch, device: torch.device, dataset: Dataset, channels_last
                     key: tuple[int, int] | None = None):
     """(inputs, targets) of any structure on the device; a dataset's batch_transform finishes the inputs there. Each
     call is progress for the watchdog: key, (epoch, step), for a training batch, None for a validation one."""
-    if Watchdog.active:
-        Watchdog.active.progress(key)
+    progress.batch(key)
     inputs, targets = batch
     inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs  # a tokenizer's BatchEncoding: a plain dict
     inputs, targets = tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), (inputs, targets))
@@ -702,28 +621,6 @@ def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
                       collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                       generator=loader.generator, worker_init_fn=loader.worker_init_fn,
                       multiprocessing_context=loader.multiprocessing_context) if skip else loader
-
-
-def worker_start(workers: int):
-    """How DataLoader workers start: forked from a forkserver, a process of one thread that imported the script once
-    (the workers need not), never from a rank's process, whose other threads (gloo's, a stream library's) may hold a
-    lock of the interpreter at the fork and so deadlock the child. Tensors reach the workers in shared memory."""
-    if not workers:
-        return None
-    context = multiprocessing.get_context("forkserver")
-    # it imports, once, the script as a module (its imports: torch, the user's), the modules of its folder (builtin.py:
-    # torchvision, which unpickling the dataset needs) and utils; "__main__" it would not (Python passes no path)
-    folder = Path(getattr(sys.modules["__main__"], "__file__", None) or __file__).resolve().parent
-    files = [Path(m.__file__).resolve() for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
-    context.set_forkserver_preload(sorted({f.stem for f in files if f.parent == folder and f.stem.isidentifier()}
-                                          | {"utils"}))
-    path = os.environ.get("PYTHONPATH")  # where it finds them, whatever the working directory (it ignores sys.path)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), str(Path(__file__).parent), path]))
-    try:
-        multiprocessing.forkserver.ensure_running()  # it imports them while this process builds the model
-    finally:
-        os.environ.pop("PYTHONPATH") if path is None else os.environ.update(PYTHONPATH=path)
-    return context
 
 
 def first_samples(loader: DataLoader, n: int) -> list:
@@ -1152,7 +1049,7 @@ def write_atomically(path: Path, data: bytes | Callable) -> None:
     temporary file; a failed write is an OSError that names path."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with progress.writing(path, tmp), open(tmp, "wb") as f:
             data(f) if callable(data) else f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -1224,7 +1121,8 @@ def save_pretrained(model: nn.Module, directory: Path, state: dict | None = None
     from state, its whole weights with plain keys, where the model holds shards; in place once complete."""
     if hasattr(model, "save_pretrained"):  # any other model: model.pt or checkpoint.pt is all
         new = directory.with_name(directory.name + ".new")
-        model.save_pretrained(new, state_dict=model.state_dict() if state is None else state)
+        with progress.writing(directory, new):
+            model.save_pretrained(new, state_dict=model.state_dict() if state is None else state)
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(new, directory)
 

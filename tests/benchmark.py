@@ -216,17 +216,19 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
 
 
 def changed_copy(script: str, directory: Path, blocking: bool) -> str:
-    """script and builtin.py copied with a utils.py whose per-step agreement is a blocking all-reduce at the step's
-    start (what overlapping it with the step saves), or whose watchdog never starts (what it costs); all else alike."""
+    """script, utils.py, stalls.py and builtin.py copied, with a per-step agreement that is a blocking all-reduce
+    at the step's start (what overlapping it with the step saves), or with no watchdog started (what it costs);
+    all else alike."""
     directory.mkdir(parents=True)
-    for name in (script, "builtin.py"):
+    for name in (script, "utils.py", "stalls.py", "builtin.py"):
         shutil.copy(ROOT / name, directory)
-    source = (ROOT / "utils.py").read_text()
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
-    old, new = ((agreement, agreement.replace("True", "False")) if blocking else
-                ("        Watchdog.active = self\n", "        return  # no watchdog: no thread\n"))
-    assert old in source, "utils.StopSignal or utils.Watchdog changed: update the benchmark's copy"
-    (directory / "utils.py").write_text(source.replace(old, new))
+    watchdog = "utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)"
+    name, old, new = (("utils.py", agreement, agreement.replace("True", "False")) if blocking else
+                      (script, watchdog, "pass  # no watchdog: no thread"))
+    source = (directory / name).read_text()
+    assert old in source, "utils.StopSignal or the script's watchdog line changed: update the benchmark's copy"
+    (directory / name).write_text(source.replace(old, new))
     return str(directory / script)
 
 

@@ -16,10 +16,12 @@ from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_funct
 
 TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
 BOUND = 12
+# before training the others wait for the stalled rank from the collective they reach a few seconds after its stall
+START_UP_BOUND = 15
 STUCK = 'time.sleep(float(os.environ["STALL_SECONDS"]))  # stuck: a deadlock, a read that never returns'
 
 # compute_loss and collate that stall at a chosen call, on rank 1 only
-YOURS = "import time\n" + YOUR_CLASSIFICATION.replace("""def compute_loss(outputs, targets):
+YOURS = "import io\nimport time\n" + YOUR_CLASSIFICATION.replace("""def compute_loss(outputs, targets):
     return F.cross_entropy(outputs, targets)""", f"""def on_rank_1():
     return os.environ.get("RANK", str(dist.get_rank() if dist.is_initialized() else 0)) == "1"
 
@@ -45,7 +47,48 @@ def collate(samples):
     if on_rank_1() and {{when_collate}}:
         Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
         {STUCK}
-    return default_collate(samples)""")
+    return default_collate(samples)""").replace("""def build_datasets(args):
+""", f"""def build_datasets(args):
+    if slow_start_up("build_datasets"):
+        {STUCK}
+""").replace("""def build_model(args, num_classes):
+""", f"""def build_model(args, num_classes):
+    if slow_start_up("build_model"):
+        {STUCK}
+""") + f"""
+
+def slow_start_up(function):
+    # START_UP: "FUNCTION RANKS": those ranks take STALL_SECONDS in it (a fetch, a tokenisation pass)
+    name, ranks = os.environ.get("START_UP", "- -").split()
+    if name == function and ranks in ("all", os.environ.get("RANK")):
+        Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
+        return True
+    return False
+
+
+def save_to_a_disk(obj, f, *args, **kwargs):
+    # SAVE "stuck": rank 0's disk stops answering in its first save, half written; "slow": it writes
+    # a byte of the checkpoint at a time over 1.5 x --timeout
+    if os.environ.get("SAVE") is None or os.environ.get("RANK") != "0":
+        return real_save(obj, f, *args, **kwargs)
+    data = io.BytesIO()
+    real_save(obj, data, *args, **kwargs)
+    data = data.getvalue()
+    if os.environ["SAVE"] == "stuck":
+        f.write(data[:len(data) // 2])
+        f.flush()
+        Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
+        time.sleep(3600)  # stuck: a network file system that stopped answering
+    chunks = 30
+    for i in range(chunks):
+        f.write(data[i * len(data) // chunks:(i + 1) * len(data) // chunks])
+        f.flush()
+        time.sleep(1.5 * {TIMEOUT} / chunks)
+
+
+real_save = torch.save
+torch.save = save_to_a_disk
+"""
 
 CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags, the function the line names)
     # the 4th loss: the start-up check's, then steps 1 to 3
@@ -61,8 +104,26 @@ CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags
     "slow": ("distributed.py", "2 <= LOSSES <= 4", "False", ["--epochs", "1"], None),
     # every batch of rank 1 a little late: its records name it the slow one
     "slow_data": ("distributed.py", "False", "True", ["--epochs", "1", "--print-freq", "5"], None),
+    # rank 1 stuck in build_model, rank 0 waiting for it in the start-up check's collective
+    "start_up": ("distributed.py", "False", "False", [], "build_model"),
+    # rank 0's disk stops answering in the middle of its first checkpoint
+    "save": ("distributed.py", "False", "False", [], "save_to_a_disk"),
+    # every rank 35 s in build_datasets: no rank waits for another, so no stall
+    "slow_start": ("distributed.py", "False", "False", ["--epochs", "1"], None),
+    # rank 0 alone 35 s in build_datasets, rank 1 waiting for it under --timeout 60
+    "slow_start_rank_0": ("distributed.py", "False", "False", ["--epochs", "1", "--timeout", "60"], None),
+    # a checkpoint written a byte at a time over 1.5 x --timeout: it moves
+    "slow_save": ("distributed.py", "False", "False", ["--epochs", "1"], None),
 }
-SECONDS = {"slow": 0.6 * TIMEOUT, "slow_data": 0.2}  # how long these sleep at each call; the others, for ever
+# how long these sleep at each call; the others, for ever
+SECONDS = {"slow": 0.6 * TIMEOUT, "slow_data": 0.2, "slow_start": 35, "slow_start_rank_0": 35, "slow_save": 0}
+ENV = {
+    "start_up": {"START_UP": "build_model 1"},
+    "save": {"SAVE": "stuck"},
+    "slow_start": {"START_UP": "build_datasets all"},
+    "slow_start_rank_0": {"START_UP": "build_datasets 0"},
+    "slow_save": {"SAVE": "slow"},
+}
 
 
 def user_code(name: str) -> str:
@@ -79,7 +140,7 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
         copy = copy_with_your_functions(script, base / name / "copy", user_code(name))
         out, stall_file = base / name / "out", base / name / "stalled_at"
         args = [*COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags]
-        env = {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(SECONDS.get(name, 3600))}
+        env = {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(SECONDS.get(name, 3600)), **ENV.get(name, {})}
         if name == "by_hand":
             port = str(free_port())
             started[name] = ([start(python(copy, *args, "--ip", "127.0.0.1", "--port", port),
@@ -107,27 +168,35 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
 def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stalled, name):
     result, since, out = stalled[name]
     script, *_, function = CASES[name]
-    assert since is not None and since <= TIMEOUT + BOUND, (since, result.stderr)
+    bound = START_UP_BOUND if name == "start_up" else BOUND
+    assert since is not None and since <= TIMEOUT + bound, (since, result.stderr)
     # the line: rank 1, its epoch and step (the 4th loss is step 3's; validation after epoch 1's last step, 20)
     position = {"validation": "in validation after step 20 of epoch 1", "collate": "at step 2 of epoch 1",
-                "worker": r"at step \d+ of epoch 1"}.get(name, "at step 3 of epoch 1")
+                "worker": r"at step \d+ of epoch 1", "start_up": "before training",
+                "save": "at step 20 of epoch 1"}.get(name, "at step 3 of epoch 1")
     lines = (out.parent / "copy" / script).read_text().splitlines()
-    begins = next(i for i, text in enumerate(lines) if text.startswith(f"def {function}("))
-    line_number = next(i for i, text in enumerate(lines[begins:], begins + 1) if STUCK in text)
+    stuck_in = function
+    begins = next(i for i, text in enumerate(lines) if text.startswith(f"def {stuck_in}("))
+    line_number = next(i for i, text in enumerate(lines[begins:], begins + 1) if "# stuck:" in text)
     worker = " in a DataLoader worker" if name == "worker" else ""
-    pattern = (rf"error: rank 1 made no progress for \d+ s {position}, in {function} \({script}:{line_number}\)"
+    rank, what = "1", r"made no progress for \d+ s"
+    if name == "save":  # rank 0, and the file it was writing
+        rank, what = "0", rf"wrote nothing to {re.escape(str(out))}/checkpoint\.pt for \d+ s"
+    pattern = (rf"error: rank {rank} {what} {position}, in {stuck_in} \({script}:{line_number}\)"
                rf"{worker}; "
                rf"the other ranks waited for it in a collective; every rank's stacks in {re.escape(str(out))}/stalls/")
     if name == "mp":  # the parent says its children's line once
         assert result.returncode == 1 and re.fullmatch(pattern, result.stderr.strip().splitlines()[-1]), result.stderr
     else:
-        ends_every_rank_with(result, "error: rank 1 made no progress")
+        ends_every_rank_with(result, f"error: rank {rank} ")
         assert all(re.fullmatch(pattern, line) for line in result.stderr.splitlines()
                    if line.startswith("error:")), result.stderr
     assert not re.search(r'File ".*/copy/', result.stderr), result.stderr  # no traceback through the user's copy
     # every rank's stacks; the stalled one's show the user's function, in its worker where it waited for one
-    stacks = {rank: (out / "stalls" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
-    assert f"in {function}\n    {STUCK}" in stacks[1] and STUCK not in stacks[0], stacks[1]
+    stacks = {r: (out / "stalls" / f"rank{r}.txt").read_text() for r in (0, 1)}
+    other = "1" if rank == "0" else "0"
+    assert re.search(rf"in {stuck_in}\n    .*# stuck:", stacks[int(rank)]), stacks[int(rank)]
+    assert "# stuck:" not in stacks[int(other)], stacks[int(other)]
     assert ("DataLoader worker (pid" in stacks[1]) == (name == "worker")
 
 
@@ -151,7 +220,7 @@ def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
     code = f"""
 import os, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
-import utils, torch, torch.distributed as dist
+import utils, stalls, torch, torch.distributed as dist
 from torch.utils.data import DataLoader
 
 
@@ -165,8 +234,8 @@ def main():
     threading.Thread(target=monitor, daemon=True).start()
     for i in range(150):
         works = [dist.all_reduce(torch.ones(1), async_op=True) for _ in range(8)]  # tensors only gloo holds
-        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, timeout=20, worker_init_fn=utils.init_worker,
-                            multiprocessing_context=utils.worker_start(2))
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, timeout=20, worker_init_fn=stalls.init_worker,
+                            multiprocessing_context=stalls.worker_start(2))
         del works
         next(iter(loader))
     print("started", i + 1, flush=True)

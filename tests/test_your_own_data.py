@@ -129,10 +129,13 @@ COMMON = ["--batch-size", "32", "--epochs", "3", "--lr", "0.05", "--workers", "0
 
 
 def copy_with_your_functions(script: str, directory: Path, yours: str, root: Path = ROOT) -> Path:
-    """script and utils.py (of root: this repository, or another version of it) copied into directory, its four
-    plug-point functions replaced by yours (the script's own collate() where yours defines none)."""
+    """script with utils.py and the files beside it that a user copies (of root: this repository, or another
+    version of it) copied into directory, its four plug-point functions replaced by yours (the script's own
+    collate() where yours defines none)."""
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copy(root / "utils.py", directory)
+    for name in ("utils.py", "stalls.py", "streams.py"):
+        if (root / name).exists():
+            shutil.copy(root / name, directory)
     source = (root / script).read_text()
     lines = source.splitlines(keepends=True)
     spans = {node.name: (node.lineno, node.end_lineno) for node in ast.parse(source).body

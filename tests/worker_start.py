@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import builtin  # noqa: E402
 import torch  # noqa: E402
+import stalls  # noqa: E402
 import utils  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -27,7 +28,7 @@ def memory_mb(pid: int) -> tuple[float, float]:
 
 def measure(context, dataset, workers: int) -> dict:
     loader = DataLoader(dataset, 256, shuffle=True, num_workers=workers, persistent_workers=True,
-                        worker_init_fn=utils.init_worker, multiprocessing_context=context,
+                        worker_init_fn=stalls.init_worker, multiprocessing_context=context,
                         collate_fn=utils.Counted(torch.utils.data.default_collate))
     started = time.perf_counter()
     batches = iter(loader)
@@ -48,7 +49,7 @@ def main():
     sys.modules["__main__"].__file__ = str(Path(utils.__file__).with_name("distributed.py"))  # preload as it does
     print(f"--dataset fake, {args.fake_size} images ({dataset.tensors[0].numel() / 2**20:.0f} MB), "
           f"{args.workers} workers")
-    for name, context in (("fork", "fork"), ("forkserver (the scripts')", utils.worker_start(args.workers))):
+    for name, context in (("fork", "fork"), ("forkserver (the scripts')", stalls.worker_start(args.workers))):
         print(f"{name:28s}" + "  ".join(f"{k} {v:7.2f}" for k, v in measure(context, dataset, args.workers).items()))
 
 

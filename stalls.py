@@ -1,0 +1,414 @@
+"""No silent hang: a watchdog that ends every rank of a stalled run with one line naming the stalled
+rank, its step and its line of code, and how DataLoader workers start so that none can hang at start.
+
+A script starts it in one line of main(), after the process group and the output folder:
+
+    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
+
+and passes stalls.init_worker and stalls.worker_start(workers) to its DataLoaders. utils.py tells it
+what the run does (utils.progress.batch(), utils.progress.writing()) and knows nothing else of it.
+
+The rule (docs/reliability.md):
+- before the first training step, work every rank does (data, model, a checkpoint's load, a compile)
+  takes as long as it takes: a rank stalls only when another has waited --timeout seconds for it in a
+  collective;
+- from the first step on, --timeout seconds without a batch of training or validation on any rank is
+  a stall (a compile is progress, however long);
+- a save is progress while its file (or folder) grows: one that wrote nothing for --timeout seconds is
+  a stall, named with the file.
+The ranks learn of each other through the rendezvous store, never a collective (that is what waits):
+a beat every few seconds, none per step. Each rank writes the stacks of its threads, and of its
+DataLoader workers, to OUTPUT_DIR/stalls/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+import utils
+
+# Collectives wait this much longer than --timeout, so that the watchdog speaks first.
+GRACE = datetime.timedelta(seconds=30)
+
+
+class Watchdog(utils.Progress):
+    """Watches this rank's progress from a thread of its own, and ends every rank of a stalled run."""
+
+    def __init__(self, timeout: float, output_dir: Path, rank: int):
+        self.timeout = timeout
+        self.stacks_dir = Path(output_dir) / "stalls"
+        self.rank = rank
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.main_thread = threading.main_thread().ident
+        # Where this rank is: the last training batch's (epoch, step), None before training.
+        self.epoch_step: tuple[int, int] | None = None
+        self.validating = False
+        # The save in progress: the path it names, the file or folder that grows, its size.
+        self.saving: Path | None = None
+        self.growing: Path | None = None
+        self.saved_bytes = 0
+        # This rank's last progress, and any rank's as far as this one knows.
+        self.moved_at = time.monotonic()
+        self.anyone_moved_at = self.moved_at
+        self.moved_since_beat = False
+        # Before training: the collectives this rank has counted in the store, and since when it waits.
+        self.counted = 0
+        self.waiting_since: float | None = None
+        self.beats = 0
+        self.closed = False
+        self.ending = False
+        # The store the process group met in, under a prefix of its own (a torchrun restart's is new).
+        self.store = None
+        if self.world_size > 1:
+            store = utils.default_store()
+            if store is not None:
+                self.store = dist.PrefixStore("watchdog/", store)
+        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    def batch(self, key: tuple[int, int] | None) -> None:
+        self.moved_at = time.monotonic()
+        self.anyone_moved_at = self.moved_at
+        self.moved_since_beat = True
+        self.validating = key is None and self.epoch_step is not None
+        if key is not None:
+            self.epoch_step = key
+
+    @contextlib.contextmanager
+    def writing(self, path: Path, growing: Path | None = None):
+        self.saving = Path(path)
+        self.growing = Path(growing or path)
+        self.saved_bytes = 0
+        self.validating = False
+        self.batch_free_progress()
+        try:
+            yield
+        finally:
+            self.saving = None
+            self.batch_free_progress()
+
+    def batch_free_progress(self) -> None:
+        """Progress that is not a batch: a compile, a save's bytes."""
+        self.moved_at = time.monotonic()
+        self.anyone_moved_at = self.moved_at
+        self.moved_since_beat = True
+
+    def watch(self) -> None:
+        beat = min(2.0, self.timeout / 10)  # a store round trip this often at most
+        while not self.closed:
+            time.sleep(beat)
+            # A C call that holds the GIL stops this thread too: faulthandler's thread then ends it.
+            backstop = self.timeout + 2 * GRACE.total_seconds()
+            faulthandler.dump_traceback_later(backstop, exit=True)
+            try:
+                alarm = self.check()
+                if alarm and not self.closed:
+                    self.end()
+            except (RuntimeError, OSError):
+                # The store's host has ended (the run's end): nothing left to watch.
+                faulthandler.cancel_dump_traceback_later()
+                return
+
+    def check(self) -> bool:
+        """One beat: note this rank's progress, share it, and say whether the run has stalled."""
+        if is_compiling():
+            self.batch_free_progress()
+        if self.saving is not None:
+            size = bytes_in(self.growing)
+            if size != self.saved_bytes:
+                self.saved_bytes = size
+                self.batch_free_progress()
+        now = time.monotonic()
+        if self.epoch_step is None and self.saving is None:
+            stalled = self.waited_before_training(now) >= self.timeout
+        else:
+            stalled = now - self.anyone_moved_at >= self.timeout
+            # Once more after the first step: a rank still before it counts this one's collectives.
+            if self.store is not None and self.counted >= 0:
+                self.count_collectives()
+                self.counted = -1
+        if self.store is None or stalled:
+            return stalled
+        # A beat of every rank that moved: any rank's move is everyone's.
+        beats = self.store.add("beats", int(self.moved_since_beat))
+        self.moved_since_beat = False
+        if beats != self.beats:
+            self.beats = beats
+            self.anyone_moved_at = time.monotonic()
+        return self.store.check(["alarm"])
+
+    def waited_before_training(self, now: float) -> float:
+        """Seconds this rank has waited in a collective that another rank has not started."""
+        started = self.count_collectives()
+        if started is None:
+            return 0.0
+        waiting = started > 0 and self.store.add(f"started/{started}", 0) < self.world_size
+        if not waiting:
+            self.waiting_since = None
+            return 0.0
+        if self.waiting_since is None:
+            self.waiting_since = now
+        return now - self.waiting_since
+
+    def count_collectives(self) -> int | None:
+        """The collectives this rank has started; each counted in the store, where collective k
+        holds how many ranks have started it: a rank at k waits while k's count is short."""
+        started = utils.collectives_started()
+        if self.store is None or started is None:
+            return None
+        for k in range(self.counted + 1, started + 1):
+            self.store.add(f"started/{k}", 1)
+        self.counted = max(self.counted, started)
+        return started
+
+    def end(self) -> None:
+        """Write this rank's report and stacks, read every rank's, say the line, end the process."""
+        self.ending = True
+        try:
+            # Whatever fails here, the process ends: its main thread waits in close() for this one.
+            # The others first: they see the alarm at their next beat, while this rank writes stacks.
+            if self.store is not None:
+                with contextlib.suppress(RuntimeError):
+                    self.store.add("alarm", 1)
+            frames = self.write_stacks()
+            report = {
+                "rank": self.rank,
+                "seconds": round(time.monotonic() - self.moved_at),
+                "collectives": utils.collectives_started(),
+                "position": self.position(),
+                "where": where(frames),
+                "saving": str(self.saving) if self.saving is not None else None,
+            }
+            reports = [report]
+            if self.store is not None:
+                with contextlib.suppress(RuntimeError):
+                    reports = self.exchange_reports(report)
+            utils.say_line(stall_line(reports, self.world_size, self.timeout, self.stacks_dir))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def exchange_reports(self, report: dict) -> list[dict]:
+        """Every rank's report that arrives within a few seconds (the others see the alarm in a beat)."""
+        self.store.set(f"report/{self.rank}", json.dumps(report))
+        keys = [f"report/{rank}" for rank in range(self.world_size)]
+        wait_until(lambda: self.store.check(keys), 10)
+        reports = [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]
+        # The store's host (rank 0, for tcp://) ends once every rank has read.
+        self.store.add("read", 1)
+        wait_until(lambda: self.store.add("read", 0) >= self.world_size, 10)
+        return reports
+
+    def position(self) -> str:
+        if self.epoch_step is None:
+            return "before training"
+        epoch, step = self.epoch_step
+        if self.validating:
+            return f"in validation after step {step} of epoch {epoch + 1}"
+        return f"at step {step} of epoch {epoch + 1}"
+
+    def write_stacks(self) -> list[traceback.FrameSummary]:
+        """Every thread's and DataLoader worker's stack to stalls/rankR.txt; the frames to name."""
+        main_frame = sys._current_frames().get(self.main_thread)
+        frames = traceback.extract_stack(main_frame) if main_frame else []
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        lines = []
+        # The main thread first; not this thread, which only writes them.
+        threads = sorted(sys._current_frames().items(), key=lambda item: item[0] != self.main_thread)
+        for ident, frame in threads:
+            if ident != threading.get_ident():
+                lines.append(f"rank {self.rank}, thread {names.get(ident, ident)}:\n")
+                lines.extend(traceback.format_stack(frame))
+                lines.append("\n")
+        # Waiting for a DataLoader worker: the worker's line is the one to name.
+        if any(frame.name == utils.DATALOADER_WAIT for frame in frames):
+            for pid, worker_frames, text in worker_stacks():
+                lines.append(f"rank {self.rank}, DataLoader worker (pid {pid}):\n{text}\n")
+                if utils.user_frame(worker_frames):
+                    frames = worker_frames
+        # A full or read-only disk, or a missing trace dump: the line still comes.
+        with contextlib.suppress(OSError):
+            self.stacks_dir.mkdir(parents=True, exist_ok=True)
+            (self.stacks_dir / f"rank{self.rank}.txt").write_text("".join(lines))
+            if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+                # NCCL's Flight Recorder: for python -m torch.distributed.flight_recorder.
+                trace = utils.nccl_trace()
+                if trace is not None:
+                    (self.stacks_dir / f"nccl_trace_rank_{self.rank}").write_bytes(trace)
+        return frames
+
+    def close(self) -> None:
+        """main() has ended: a watchdog that is ending the run finishes it, else it stops."""
+        self.closed = True
+        faulthandler.cancel_dump_traceback_later()
+        while self.ending:
+            time.sleep(1)
+
+
+def is_compiling() -> bool:
+    """Is any thread compiling? A backward on a GPU, compiled on first use, runs in autograd's thread."""
+    for top in sys._current_frames().values():
+        for frame, _ in traceback.walk_stack(top):
+            if utils.COMPILE_FILES.search(frame.f_code.co_filename):
+                return True
+    return False
+
+
+def bytes_in(path: Path) -> int:
+    """The size of a file, or of every file in a folder; 0 for one not there yet."""
+    if path.is_dir():
+        sizes = []
+        for file in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                sizes.append(file.stat().st_size)
+        return sum(sizes)
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def where(frames: list[traceback.FrameSummary]) -> str:
+    """'in collate (distributed.py:66)': the user's frame, else the innermost."""
+    frame = utils.user_frame(frames)
+    if frame is None and frames:
+        frame = frames[-1]
+    if frame is None:
+        return "where unknown"
+    worker = ""
+    if utils.WORKER_LOOP in {f.name for f in frames}:
+        worker = " in a DataLoader worker"
+    return f"in {frame.name} ({Path(frame.filename).name}:{frame.lineno}){worker}"
+
+
+def stall_line(reports: list[dict], world_size: int, timeout: float, stacks_dir: Path) -> str:
+    """The one line every rank says: the ranks that stalled (that started fewest collectives, or
+    did not answer), what each did, and where the stacks are."""
+    answered = {report["rank"] for report in reports}
+    counts = {report["collectives"] for report in reports}
+    if None in counts:
+        # PyTorch no longer says how many collectives a rank started: every rank's position.
+        parts = [describe(report, timeout) for report in reports]
+        head = "the stalled rank is unknown (PyTorch's collective counts are missing): "
+        return f"error: {head}{'; '.join(parts)}; every rank's stacks in {stacks_dir}/"
+    # A rank that did not answer is the one; else those behind the others; else (all in one
+    # place) every rank.
+    fewest = min(counts)
+    stalled = []
+    for report in reports:
+        if report["collectives"] == fewest and (len(counts) > 1 or len(answered) == world_size):
+            stalled.append(report)
+    parts = [describe(report, timeout) for report in stalled]
+    for rank in range(world_size):
+        if rank not in answered:
+            parts.append(
+                f"rank {rank} did not answer (its main thread holds the GIL? "
+                f"it ends with its stacks on stderr)"
+            )
+    if len(parts) < world_size:
+        them = "it" if len(parts) == 1 else "them"
+        parts.append(f"the other ranks waited for {them} in a collective")
+    return f"error: {'; '.join(parts)}; every rank's stacks in {stacks_dir}/"
+
+
+def describe(report: dict, timeout: float) -> str:
+    seconds = max(report["seconds"], round(timeout))
+    if report.get("saving"):
+        what = f"wrote nothing to {report['saving']} for {seconds} s"
+    else:
+        what = f"made no progress for {seconds} s"
+    return f"rank {report['rank']} {what} {report['position']}, {report['where']}"
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- DataLoader workers ----
+
+
+def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
+    """(pid, frames, text) of this process's DataLoader workers: each writes its stack when
+    signalled (init_worker)."""
+    pids = [child.pid for child in multiprocessing.active_children()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+    paths = [worker_stack_path(pid) for pid in pids]
+    wait_until(lambda: all(path.exists() for path in paths), 2)
+    stacks = []
+    for pid, path in zip(pids, paths):
+        with contextlib.suppress(OSError, ValueError):
+            frames, text = json.loads(path.read_text())
+            summaries = [traceback.FrameSummary(*f, lookup_line=False) for f in frames]
+            stacks.append((pid, summaries, text))
+            path.unlink()
+    return stacks
+
+
+def worker_stack_path(pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"dataloader-worker-{pid}.stack.json"
+
+
+def write_worker_stack(signum: int, frame) -> None:
+    stack = traceback.extract_stack(frame)
+    frames = [(f.filename, f.lineno, f.name) for f in stack]
+    text = "".join(traceback.format_list(stack))
+    utils.write_atomically(worker_stack_path(os.getpid()), json.dumps([frames, text]).encode())
+
+
+def end_with_parent(parent) -> None:
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(0)
+
+
+def init_worker(worker_id: int) -> None:
+    """A DataLoader worker's start: it leaves SIGTERM to its rank (torchrun, Slurm and docker stop
+    signal workers too, where PyTorch's handler would end them, the epoch unsaved), and writes its
+    stack when the watchdog asks."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, write_worker_stack)
+    # Its parent is the forkserver, which PyTorch's worker loop does not watch: end with the rank.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        watch = threading.Thread(target=end_with_parent, args=(parent,), daemon=True)
+        watch.start()
+
+
+def worker_start(workers: int):
+    """How DataLoader workers start: forked from a forkserver, a process of one thread that imported
+    the script once, never from a rank's process, whose other threads (gloo's, a stream library's)
+    may hold a lock of the interpreter at the fork and so deadlock the child."""
+    if not workers:
+        return None
+    context = multiprocessing.get_context("forkserver")
+    # It imports, once, the modules of the script's folder that this process has imported (the
+    # script as a module, builtin.py, utils.py, stalls.py), so that the workers need not; Python
+    # passes no path to it, so they go in PYTHONPATH while it starts.
+    script = getattr(sys.modules["__main__"], "__file__", None) or __file__
+    folders = [Path(script).resolve().parent, Path(utils.__file__).resolve().parent]
+    modules = {"utils", "stalls"}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve().parent in folders and Path(file).stem.isidentifier():
+            modules.add(Path(file).stem)
+    context.set_forkserver_preload(sorted(modules))
+    utils.start_forkserver([str(folder) for folder in folders])
+    return context

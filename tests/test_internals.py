@@ -1,0 +1,101 @@
+"""The private names of PyTorch and Python that the scripts use are reached in one commented section
+of utils.py alone, and each exists on the installed PyTorch: an upgrade that renames one fails here,
+not in a user's run. Where one is missing all the same, the stall line still comes, naming no rank
+rather than a wrong one."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import multiprocessing.forkserver
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import stalls
+import utils
+from processes import ROOT
+
+SCRIPTS = sorted(path.name for path in ROOT.glob("*.py") if path.name.startswith(("distributed", "dataparallel")))
+# what reaches into PyTorch's or multiprocessing's insides
+PRIVATE = re.compile(r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
+                     r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace")
+SECTION = "# ------------------------------------------------ PyTorch's insides we reach ----"
+
+
+def test_each_internal_exists_on_the_installed_pytorch():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = utils.collectives_started()
+        dist.all_reduce(torch.ones(1))
+        assert before is not None and utils.collectives_started() == before + 1
+        assert isinstance(utils.default_store(), dist.Store)
+    finally:
+        dist.destroy_process_group()
+    if dist.is_nccl_available():  # a CUDA build: the Flight Recorder's dump
+        assert callable(torch._C._distributed_c10d._dump_nccl_trace)
+    assert callable(torch._C._host_emptyCache)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    assert isinstance(utils.loss_scale(scaler), torch.Tensor)
+    assert callable(multiprocessing.forkserver.ensure_running)
+    from torch.utils.data import _utils, dataloader
+
+    assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, utils.DATALOADER_WAIT))
+    assert callable(getattr(_utils.worker, utils.WORKER_LOOP))
+    for name in ("torch._dynamo.convert_frame", "torch._inductor.compile_fx"):
+        module = importlib.import_module(name)
+        assert utils.COMPILE_FILES.search(module.__file__.replace("\\", "/")), module.__file__
+
+
+def test_internals_are_reached_in_one_place():
+    for name in [*SCRIPTS, "stalls.py", "streams.py", "builtin.py", "utils.py"]:
+        path = ROOT / name
+        if not path.exists():
+            continue
+        source = path.read_text()
+        if name == "utils.py":  # outside its section on PyTorch's insides
+            start = source.index(SECTION)
+            end = source.index("\n# ---", start + len(SECTION))
+            source = source[:start] + source[end:]
+        lines = [line for line in source.splitlines() if PRIVATE.search(line) and not line.lstrip().startswith("#")]
+        assert not lines, (name, lines)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_default_loss_is_recognised_in_every_script(script):
+    """The label check before training runs for the default loss alone (a user's may ignore labels)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert utils.is_default_loss(module.compute_loss)
+
+
+def test_without_collective_counts_the_line_names_no_rank_but_every_position(monkeypatch, tmp_path):
+    monkeypatch.delattr(dist.distributed_c10d, "_world")
+    assert utils.collectives_started() is None
+    reports = [
+        {"rank": 0, "seconds": 25, "collectives": None, "position": "at step 3 of epoch 1",
+         "where": "in main (distributed.py:10)", "saving": None},
+        {"rank": 1, "seconds": 21, "collectives": None, "position": "at step 3 of epoch 1",
+         "where": "in compute_loss (distributed.py:50)", "saving": None},
+    ]
+    line = stalls.stall_line(reports, 2, 20, tmp_path)
+    assert line == (
+        "error: the stalled rank is unknown (PyTorch's collective counts are missing): "
+        "rank 0 made no progress for 25 s at step 3 of epoch 1, in main (distributed.py:10); "
+        "rank 1 made no progress for 21 s at step 3 of epoch 1, in compute_loss (distributed.py:50); "
+        f"every rank's stacks in {tmp_path}/"
+    )
+
+
+def test_a_missing_or_failing_trace_dump_never_stops_the_line(monkeypatch):
+    monkeypatch.delattr(torch._C._distributed_c10d, "_dump_nccl_trace", raising=False)
+    assert utils.nccl_trace() is None
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: 1 / 0, raising=False)
+    assert utils.nccl_trace() is None
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    assert utils.default_store() is None
