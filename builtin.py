@@ -1,8 +1,11 @@
-"""The built-in data and models, which the scripts' build_datasets() and build_model() return unless you replace
-them: --dataset (CIFAR-10/100, an image folder, fake images) and --arch (tiny, or any torchvision classifier).
-A user whose own functions replace those bodies needs nothing here. The images are held as uint8 and carry a
-batch_transform: cropped, flipped and normalised a batch at a time on the device (utils.batch_to_device calls it),
-so that a step does not wait for per-image work in the loader; a user's own Dataset never goes through it."""
+"""The built-in data and models, which the scripts' build_datasets() and build_model() return unless
+you replace them: --dataset (CIFAR-10/100, an image folder, fake images) and --arch (tiny, or any
+torchvision classifier). A user whose own functions replace those bodies needs nothing here. The
+images are held as uint8 and carry a batch_transform: cropped, flipped and normalised a batch at a
+time on the device (utils.batch_to_device calls it), so that a step does not wait for per-image work
+in the loader; a user's own Dataset never goes through it.
+"""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from utils import UsageError, errors_shared_by_all_ranks, first_line  # first: it quiets PyTorch's C++ logging
+# first: it quiets PyTorch's C++ logging
+from utils import UsageError, errors_shared_by_all_ranks, first_line
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -33,22 +37,30 @@ def datasets(args) -> tuple[Dataset, Dataset, int]:
         train, val = image_folders(Path(args.data_dir), args.image_size)
     else:
         train, val = cifar(args)
-    train.batch_transform = ImageBatchTransform(args.seed, 0 if args.no_augment else args.image_size // 8)
+    train.batch_transform = ImageBatchTransform(
+        args.seed, 0 if args.no_augment else args.image_size // 8
+    )
     val.batch_transform = ImageBatchTransform(args.seed, padding=0)
     return train, val, len(train.classes)
 
 
 class ImageTensors(TensorDataset):
-    """A whole image set held as one uint8 tensor (N, 3, H, W), and its labels: CIFAR and fake data."""
+    """A whole image set held as one uint8 tensor (N, 3, H, W), and its labels: CIFAR and fake
+    data."""
 
     def __init__(self, images: np.ndarray, targets, classes: list[str]):
-        super().__init__(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.as_tensor(targets))
+        super().__init__(
+            torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.as_tensor(targets)
+        )
         self.classes = list(classes)
 
 
 def fake_images(size: int, image_size: int, split: str, seed: int = 0) -> ImageTensors:
-    """Learnable uint8 images held like CIFAR: a colour pattern per class, plus noise; fixed by (seed, split)."""
-    patterns = np.random.default_rng(seed).integers(0, 256, (FAKE_CLASSES, 4, 4, 3)).astype(np.float32)
+    """Learnable uint8 images held like CIFAR: a colour pattern per class, plus noise; fixed by
+    (seed, split)."""
+    patterns = (
+        np.random.default_rng(seed).integers(0, 256, (FAKE_CLASSES, 4, 4, 3)).astype(np.float32)
+    )
     repeat = math.ceil(image_size / 4)  # 4x4 blocks of colour, cut to the image size
     patterns = patterns.repeat(repeat, 1).repeat(repeat, 2)[:, :image_size, :image_size]
     rng = np.random.default_rng(seed * 10 + {"train": 1, "val": 2}[split])
@@ -63,76 +75,114 @@ def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
     T = torchvision.transforms
     resize = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.PILToTensor()])
     try:
-        train, val = (torchvision.datasets.ImageFolder(str(root / s), resize) for s in ("train", "val"))
+        train, val = (
+            torchvision.datasets.ImageFolder(str(root / s), resize) for s in ("train", "val")
+        )
     except OSError as e:  # a missing folder, or one without images
-        raise UsageError(f"images not found under {root} ({first_line(e)}): --dataset imagefolder reads "
-                         f"DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*") from None
+        raise UsageError(
+            f"images not found under {root} ({first_line(e)}): --dataset imagefolder reads "
+            "DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*"
+        ) from None
     if train.classes != val.classes:
         raise UsageError(f"{root}/train and {root}/val have different class folders")
     return train, val
 
 
 def cifar(args) -> tuple[ImageTensors, ImageTensors]:
-    """CIFAR-10 or -100, downloaded by one process per machine while the others wait; all fail alike."""
-    cls = torchvision.datasets.CIFAR10 if args.dataset == "cifar10" else torchvision.datasets.CIFAR100
+    """CIFAR-10 or -100, downloaded by one process per machine while the others wait; all fail
+    alike."""
+    cls = (
+        torchvision.datasets.CIFAR10 if args.dataset == "cifar10" else torchvision.datasets.CIFAR100
+    )
     with errors_shared_by_all_ranks():
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             try:  # one archive holds both splits
                 cls(args.data_dir, download=not args.no_download)
             except (RuntimeError, OSError) as e:
                 how = "--no-download was given" if args.no_download else "the download failed"
-                raise UsageError(f"{args.dataset} not found in {args.data_dir} and {how} ({first_line(e)})") from None
+                raise UsageError(
+                    f"{args.dataset} not found in {args.data_dir} and {how} ({first_line(e)})"
+                ) from None
     splits = (cls(args.data_dir, train=train) for train in (True, False))
     return tuple(ImageTensors(d.data, d.targets, d.classes) for d in splits)
 
 
 class ImageBatchTransform:
-    """Built-in uint8 images, a batch at a time on the device: random crop and flip (padding > 0), then normalised.
-    The draws of a global batch come from (seed, epoch, step), and rank r keeps those of its images r, r+W, ...
-    (DistributedSampler's order): 1 and W processes, and a resumed run, see identical inputs."""
+    """Built-in uint8 images, a batch at a time on the device: random crop and flip (padding > 0),
+    then normalised. The draws of a global batch come from (seed, epoch, step), and rank r keeps
+    those of its images r, r+W, ... (DistributedSampler's order): 1 and W processes, and a
+    resumed run, see identical inputs."""
 
     def __init__(self, seed: int, padding: int):
         self.seed, self.padding = seed, padding
-        self.mean, self.std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (CIFAR_MEAN, CIFAR_STD))
+        self.mean, self.std = (
+            torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (CIFAR_MEAN, CIFAR_STD)
+        )
 
     def __call__(self, images: torch.Tensor, key: tuple[int, int] | None = None) -> torch.Tensor:
         if self.padding and key is not None:
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]  # a stream per (seed, epoch, step)
+            rank, world = (
+                (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            )
+            # a stream per (seed, epoch, step)
+            seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]
             generator = torch.Generator().manual_seed(int(seed))
-            shifts = torch.randint(0, 2 * self.padding + 1, (world * len(images), 2), generator=generator)
+            shifts = torch.randint(
+                0, 2 * self.padding + 1, (world * len(images), 2), generator=generator
+            )
             flips = torch.randint(0, 2, (world * len(images),), generator=generator).bool()
-            shifts, flips = shifts[rank::world].to(images.device), flips[rank::world].to(images.device)
+            shifts, flips = (
+                shifts[rank::world].to(images.device),
+                flips[rank::world].to(images.device),
+            )
             images = random_crop_flip(images, shifts[:, 0], shifts[:, 1], flips, self.padding)
         if self.mean.device != images.device:  # moved once, not every step
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
         return (images.float() - self.mean) / self.std
 
 
-def random_crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-                     padding: int) -> torch.Tensor:
+def random_crop_flip(
+    images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor, padding: int
+) -> torch.Tensor:
     """RandomCrop(size, padding) at (top[i], left[i]), then a flip if flip[i], for a whole batch."""
     n, c, h, w = images.shape
     padded = nn.functional.pad(images, (padding,) * 4)
     rows = top.view(n, 1) + torch.arange(h, device=images.device)
     cols = left.view(n, 1) + torch.arange(w, device=images.device)
-    cols = torch.where(flip.view(n, 1), cols.flip(1), cols)  # a flipped crop reads its columns backwards
+    # a flipped crop reads its columns backwards
+    cols = torch.where(flip.view(n, 1), cols.flip(1), cols)
     padded = padded.gather(2, rows.view(n, 1, h, 1).expand(n, c, h, w + 2 * padding))
     return padded.gather(3, cols.view(n, 1, 1, w).expand(n, c, h, w))
 
 
 def model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """tiny, or any torchvision classifier, tried on one image of image_size: a clear line, naming a size that works,
-    for one that cannot take it."""
-    if arch == "tiny":  # GroupNorm (no batch statistics), GELU, no max-pool: world sizes agree to 1e-5
+    """tiny, or any torchvision classifier, tried on one image of image_size: a clear line, naming a
+    size that works, for one that cannot take it."""
+    # GroupNorm (no batch statistics), GELU, no max-pool: world sizes agree to 1e-5
+    if arch == "tiny":
         return nn.Sequential(
-            nn.Conv2d(3, 16, 3, 1, 1), nn.GroupNorm(8, 16), nn.GELU(),
-            nn.Conv2d(16, 32, 3, 2, 1), nn.GroupNorm(8, 32), nn.GELU(),
-            nn.Conv2d(32, 64, 3, 2, 1), nn.GroupNorm(8, 64), nn.GELU(),
-            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, num_classes))  # 4x4 cells: where, not what
+            nn.Conv2d(3, 16, 3, 1, 1),
+            nn.GroupNorm(8, 16),
+            nn.GELU(),
+            nn.Conv2d(16, 32, 3, 2, 1),
+            nn.GroupNorm(8, 32),
+            nn.GELU(),
+            nn.Conv2d(32, 64, 3, 2, 1),
+            nn.GroupNorm(8, 64),
+            nn.GELU(),
+            # 4x4 cells: where, not what
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Linear(64 * 16, num_classes),
+        )
     if arch not in torchvision.models.list_models(module=torchvision.models):
-        raise UsageError(f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18, vit_b_16")
-    try:  # vit_b_16 at 40 px: "indivisible by patch size"; inception_v3 at 32 px: "Kernel size can't be greater"
+        raise UsageError(
+            f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18,"
+            " vit_b_16"
+        )
+    # vit_b_16 at 40 px: "indivisible by patch size"; inception_v3 at 32 px: "Kernel size can't be
+    # greater"
+    try:
         net = torchvision_model(arch, num_classes, image_size)
         with torch.no_grad():  # in eval mode: no statistics updated, no random numbers drawn
             net.eval()(torch.zeros(1, 3, image_size, image_size))
@@ -142,7 +192,8 @@ def model(arch: str, num_classes: int, image_size: int) -> nn.Module:
 
 
 def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
-    """No auxiliary heads (googlenet, inception_v3): training uses one output; small images: a ResNet 3x3 stem."""
+    """No auxiliary heads (googlenet, inception_v3): training uses one output; small images: a
+    ResNet 3x3 stem."""
     extra = {"image_size": image_size} if arch.startswith("vit_") else {}
     if arch in ("googlenet", "inception_v3"):
         extra.update(aux_logits=False, init_weights=True)
@@ -155,7 +206,8 @@ def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module
 
 
 def cannot_take(arch: str, image_size: int, error: Exception) -> str:
-    """The line for a model that cannot take image_size, naming the smallest multiple of 8 that works."""
+    """The line for a model that cannot take image_size, naming the smallest multiple of 8 that
+    works."""
     line = f"--arch {arch} cannot take {image_size}x{image_size} images ({first_line(error)})"
     for size in range(image_size // 8 * 8 + 8, 520, 8):
         with contextlib.suppress(Exception), torch.no_grad():

@@ -6,6 +6,7 @@ Every step, DataParallel splits the batch over the GPUs, copies the model to
 each of them, runs the replicas in threads and gathers outputs and gradients
 on the first GPU. Simple, but slower than DDP: prefer distributed.py.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,26 +19,33 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
 
-
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
+
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches of."""
-    import builtin  # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
+    of."""
+    # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    import builtin
+
     return builtin.datasets(args)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models take
-    them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
+    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
+    take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
     import builtin  # --arch: tiny or a torchvision classifier
+
     return builtin.model(args.arch, num_classes, args.image_size)
 
 
 def compute_loss(outputs, targets):
-    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens, pixels) and
-    how many items it sums, for the exact mean over all ranks. Accuracy is logged where targets are class indices."""
-    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
+    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens,
+    pixels) and how many items it sums, for the exact mean over all ranks. Accuracy is logged where
+    targets are class indices.
+    """
+    # scores at dim 1: classification, per-pixel classification
+    return F.cross_entropy(outputs, targets)
 
 
 def collate(samples: list):
@@ -48,10 +56,12 @@ def collate(samples: list):
 
 # ---- the approach ----
 
+
 def parse_args():
     parser = utils.build_parser(__doc__.splitlines()[0])
-    parser.add_argument("--gpu", default=None,
-                        help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)")
+    parser.add_argument(
+        "--gpu", default=None, help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)"
+    )
     args = parser.parse_args()
     utils.check_args(args)
     return args
@@ -72,62 +82,109 @@ def select_devices(args) -> list[int]:
 
 
 def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoader]:
-    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
-    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
-    # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
-    common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
-                  multiprocessing_context=stalls.worker_start(args.workers))
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its
+    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
+    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
+    # (gloo's) could deadlock a forked child
+    common = dict(
+        collate_fn=utils.Counted(collate),
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+        worker_init_fn=stalls.init_worker,
+        multiprocessing_context=stalls.worker_start(args.workers),
+    )
     # one process loads the whole batch; DataParallel splits it over the GPUs
-    if isinstance(train_set, IterableDataset):  # a stream, read here as the DDP scripts read it at world size 1
-        train_sampler = utils.StreamSampler(train_set, args.batch_size, 0, 1)
-        train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
-    else:  # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch too)
-        train_sampler = DistributedSampler(train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True)
+    # a stream is read here (streams.py: copy it beside the script for a stream), as the DDP scripts
+    # read it at world size 1
+    if isinstance(train_set, IterableDataset):
+        import streams
+
+        train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1)
+        train_loader = DataLoader(
+            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
+        )
+    # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch
+    # too)
+    else:
+        train_sampler = DistributedSampler(
+            train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True
+        )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
-        train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
-                                  generator=torch.Generator(), **common)
+        train_loader = DataLoader(
+            train_set,
+            args.batch_size,
+            sampler=train_sampler,
+            drop_last=True,
+            generator=torch.Generator(),
+            **common,
+        )
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
     if isinstance(val_set, IterableDataset):
-        val_sampler = utils.StreamSampler(val_set, args.batch_size, 0, 1, train=False)
-        val_loader = DataLoader(utils.Samples(), None, sampler=val_sampler, **common)
+        import streams
+
+        val_sampler = streams.StreamSampler(val_set, args.batch_size, 0, 1, train=False)
+        val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(val_set, args.batch_size, **common)
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
-                    stop, save, records, ema) -> dict:
+def train_one_epoch(
+    model,
+    loader,
+    val_loader,
+    optimizer,
+    scheduler,
+    epoch: int,
+    first_step: int,
+    args,
+    device,
+    stop,
+    save,
+    records,
+    ema,
+) -> dict:
     model.train()
-    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
-    steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    # continued mid-epoch: with the sums the checkpoint kept
+    meter = records.meter_for_epoch(device, first_step)
+    # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
-                                                key=(epoch, step))
+        inputs, targets = utils.batch_to_device(
+            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+        )
         outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        utils.loss_for_backward(loss).backward()  # replicas' gradients are summed onto the first GPU
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all after this step
+        # replicas' gradients are summed onto the first GPU
+        utils.loss_for_backward(loss).backward()
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
+        # after this step
         signum, last = stop.agreed()
-        recording = step % args.print_freq == 0 or last  # a record every --print-freq steps and at the end
+        # a record every --print-freq steps and at the end
+        recording = step % args.print_freq == 0 or last
         if args.clip_grad or recording:  # the gradients' norm before clipping
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
+            # inf: measured
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         optimizer.step()
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
-        if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
-            records.add(epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device)))
+        # --eval-every N: mid-epoch too
+        if args.eval_every and step % args.eval_every == 0 and not last:
+            records.add(
+                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+            )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    return meter.totals()  # the epoch's loss and accuracy over all ranks, its time and speed
+    return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
@@ -140,8 +197,10 @@ def evaluate(model, loader, args, device) -> dict:
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = utils.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
-    val_loss, val_acc, samples = meter.reduce()
-    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
+    totals = meter.all_ranks()  # sums over all ranks
+    return dict(
+        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
+    )
 
 
 def main():
@@ -150,7 +209,8 @@ def main():
     utils.setup_logging(rank)
     stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
-    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+    # before data and model: a bad path fails at once, on every rank
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
@@ -158,11 +218,14 @@ def main():
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
-    log.info(f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
-             f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} "
-             f"peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}")
+    log.info(
+        f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
+        f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} "
+        f"peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
+    )
 
-    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
+    # fixed input size: cuDNN times and picks its fastest kernels
+    torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = build_loaders(train_set, val_set, args, device)
@@ -170,11 +233,19 @@ def main():
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
     if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+        # NHWC: what Tensor Core convolutions read
+        model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device,
-                                              unused_ok=True)  # no DDP reducer to wait for their gradients
+    flops_per_sample = utils.check_first_step(
+        model,
+        train_loader,
+        compute_loss,
+        args,
+        device,
+        # no DDP reducer to wait for their gradients
+        unused_ok=True,
+    )
     if args.sync_bn or args.comm_hook:
         raise UsageError("--sync-bn and --comm-hook work with DDP only: use distributed.py")
     if args.compile:
@@ -184,35 +255,59 @@ def main():
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    ema = utils.EMA(model, args.ema)  # --ema: a moving average of the weights, validated and saved beside them
+    # --ema: a moving average of the weights, validated and saved beside them
+    ema = utils.EMA(model, args.ema)
     checkpoint_path = output_dir / "checkpoint.pt"
-    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq steps
+    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
+    # steps
     records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
-        diverged, ends every rank."""
-        progress = records.state_dict()  # the epoch's sums over all ranks: the next record and epoch need them
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
+        a run that diverged, ends every rank."""
+        # the epoch's sums over all ranks: the next record and epoch need them
+        progress = records.state_dict()
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
-                utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
+                # never NaN over the last good checkpoint
+                utils.check_finite(model, epoch, step, record, args)
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                                       "scheduler": scheduler.state_dict(), "ema": ema.state_dict(),
-                                       "records": progress, "epoch": epoch, "step": step, "arch": args.arch,
-                                       "optimizer_name": args.optimizer, "seed": args.seed,
-                                       **utils.rng_states()},
-                                      checkpoint_path)
+                utils.save_checkpoint(
+                    {
+                        "model": utils.unwrap(model).state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "ema": ema.state_dict(),
+                        "records": progress,
+                        "epoch": epoch,
+                        "step": step,
+                        "arch": args.arch,
+                        "optimizer_name": args.optimizer,
+                        "seed": args.seed,
+                        **utils.rng_states(),
+                    },
+                    checkpoint_path,
+                )
                 if args.ema:  # and the average alone, with plain keys
                     with ema.swapped():
-                        utils.save_checkpoint(utils.unwrap(model).state_dict(), output_dir / "model_ema.pt")
+                        utils.save_checkpoint(
+                            utils.unwrap(model).state_dict(), output_dir / "model_ema.pt"
+                        )
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
-                                                optimizer=optimizer, scheduler=scheduler, records=records, ema=ema)
+        start_epoch, first_step = utils.restore(
+            state,
+            checkpoint_path,
+            args,
+            model=utils.unwrap(model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            records=records,
+            ema=ema,
+        )
     with utils.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
@@ -222,17 +317,37 @@ def main():
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (a stream's too)
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.epoch_loader(train_loader, first_step)
-        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args,
-                                 device, stop, save, records, ema)
+        record = train_one_epoch(
+            model,
+            loader,
+            val_loader,
+            optimizer,
+            scheduler,
+            epoch,
+            first_step,
+            args,
+            device,
+            stop,
+            save,
+            records,
+            ema,
+        )
         first_step = 0
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))  # --ema: the average's too
+        # --ema: the average's too
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
-        record = dict(epoch=epoch + 1, **record, **validation,
-                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      **utils.memory_mb(model, optimizer, device),
-                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
+        record = dict(
+            epoch=epoch + 1,
+            **record,
+            **validation,
+            lr=optimizer.param_groups[0]["lr"],
+            world_size=world_size,
+            **utils.memory_mb(model, optimizer, device),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+        )
         save(epoch + 1, 0, record)
-    with utils.errors_shared_by_all_ranks():  # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
+    # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
+    with utils.errors_shared_by_all_ranks():
         utils.save_pretrained(utils.unwrap(model), output_dir / "hf")
 
 

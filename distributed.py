@@ -7,6 +7,7 @@ Each process trains a full copy of the model on its shard of every batch;
 DDP averages the gradients over all processes during backward(), so every
 copy takes the same optimizer step.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,26 +25,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
 
-
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
+
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches of."""
-    import builtin  # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
+    of."""
+    # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    import builtin
+
     return builtin.datasets(args)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models take
-    them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
+    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
+    take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
     import builtin  # --arch: tiny or a torchvision classifier
+
     return builtin.model(args.arch, num_classes, args.image_size)
 
 
 def compute_loss(outputs, targets):
-    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens, pixels) and
-    how many items it sums, for the exact mean over all ranks. Accuracy is logged where targets are class indices."""
-    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
+    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens,
+    pixels) and how many items it sums, for the exact mean over all ranks. Accuracy is logged where
+    targets are class indices.
+    """
+    # scores at dim 1: classification, per-pixel classification
+    return F.cross_entropy(outputs, targets)
 
 
 def collate(samples: list):
@@ -54,11 +62,17 @@ def collate(samples: list):
 
 # ---- the approach ----
 
+
 def parse_args():
     parser = utils.build_parser(__doc__.splitlines()[0])
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=0,
-                        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise")
+    parser.add_argument(
+        "--local-rank",
+        "--local_rank",
+        type=int,
+        default=0,
+        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise",
+    )
     args = parser.parse_args()
     utils.check_args(args)
     return args
@@ -68,17 +82,24 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-                   LOCAL_RANK=env["SLURM_LOCALID"])
-        env.setdefault("MASTER_ADDR", utils.slurm_master_addr(
-            env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+        env.update(
+            RANK=env["SLURM_PROCID"],
+            WORLD_SIZE=env["SLURM_NTASKS"],
+            LOCAL_RANK=env["SLURM_LOCALID"],
+        )
+        env.setdefault(
+            "MASTER_ADDR",
+            utils.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+        )
         env.setdefault("MASTER_PORT", str(args.port or 29500))
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"local rank {local_rank}, but this node has "
-                             f"{torch.cuda.device_count()} GPUs: start one process per GPU")
+            raise UsageError(
+                f"local rank {local_rank}, but this node has "
+                f"{torch.cuda.device_count()} GPUs: start one process per GPU"
+            )
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
@@ -97,84 +118,140 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     try:
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout + stalls.GRACE,  # the watchdog names a stalled rank first
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            # the watchdog names a stalled rank first
+            timeout=timeout + stalls.GRACE,
+            device_id=device if backend == "nccl" else None,
+        )
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device
 
 
-def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
-                  device) -> tuple[DataLoader, DataLoader]:
-    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
-    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
-    # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
-    common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
-                  multiprocessing_context=stalls.worker_start(args.workers))
-    if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
-        # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
-        train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
-        train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
+def build_loaders(
+    train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
+) -> tuple[DataLoader, DataLoader]:
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its
+    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
+    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
+    # (gloo's) could deadlock a forked child
+    common = dict(
+        collate_fn=utils.Counted(collate),
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+        worker_init_fn=stalls.init_worker,
+        multiprocessing_context=stalls.worker_start(args.workers),
+    )
+    # a stream is read here (streams.py: copy it beside the script for a stream): each rank its part
+    # of every global batch, lists of samples the workers collate (so they never read the stream,
+    # which cannot split itself twice)
+    if isinstance(train_set, IterableDataset):
+        import streams
+
+        train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_loader = DataLoader(
+            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
+        )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
-                                           drop_last=True)
+        train_sampler = DistributedSampler(
+            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+        )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
-        train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
-                                  generator=torch.Generator(), **common)
-    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch, or its own
-    # shards): every image exactly once (DistributedSampler would pad the last shard with repeated images)
+        train_loader = DataLoader(
+            train_set,
+            batch_per_rank,
+            sampler=train_sampler,
+            drop_last=True,
+            generator=torch.Generator(),
+            **common,
+        )
+    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
+    # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
+    # repeated images)
     if isinstance(val_set, IterableDataset):
-        val_sampler = utils.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
-        val_loader = DataLoader(utils.Samples(), None, sampler=val_sampler, **common)
+        import streams
+
+        val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
-        val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
+        val_loader = DataLoader(
+            val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common
+        )
     return train_loader, val_loader
 
 
-def train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch: int, first_step: int, args, device,
-                    stop, save, records, ema) -> dict:
+def train_one_epoch(
+    model,
+    loader,
+    val_loader,
+    optimizer,
+    scheduler,
+    epoch: int,
+    first_step: int,
+    args,
+    device,
+    stop,
+    save,
+    records,
+    ema,
+) -> dict:
     model.train()
-    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
-    steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    # continued mid-epoch: with the sums the checkpoint kept
+    meter = records.meter_for_epoch(device, first_step)
+    # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
-                                                key=(epoch, step))
+        inputs, targets = utils.batch_to_device(
+            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+        )
         outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        # a (sum, count) pair over the count of all ranks; DDP all-reduces the gradients here, bucket by bucket
+        # a (sum, count) pair over the count of all ranks; DDP all-reduces the gradients here,
+        # bucket by bucket
         utils.loss_for_backward(loss).backward()
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all after this step
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
+        # after this step
         signum, last = stop.agreed()
-        recording = step % args.print_freq == 0 or last  # a record every --print-freq steps and at the end
-        if args.clip_grad or recording:  # the gradients' norm before clipping (all ranks hold the same gradients)
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # inf: measured
+        # a record every --print-freq steps and at the end
+        recording = step % args.print_freq == 0 or last
+        # the gradients' norm before clipping (all ranks hold the same gradients)
+        if args.clip_grad or recording:
+            # inf: measured
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         optimizer.step()
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
-        if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
-            records.add(epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device)))
+        # --eval-every N: mid-epoch too
+        if args.eval_every and step % args.eval_every == 0 and not last:
+            records.add(
+                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+            )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    return meter.totals()  # the epoch's loss and accuracy over all ranks, its time and speed
+    return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
 def evaluate(model, loader, args, device) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once."""
     module = utils.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
-    for buffer in module.buffers():  # rank 0's batch-norm statistics, the checkpoint's, on every rank
+    # rank 0's batch-norm statistics, the checkpoint's, on every rank
+    for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     module.eval()
     meter = utils.Meter(device)
@@ -182,8 +259,10 @@ def evaluate(model, loader, args, device) -> dict:
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = utils.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
-    val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
-    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
+    totals = meter.all_ranks()  # sums over all ranks
+    return dict(
+        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
+    )
 
 
 def main():
@@ -192,95 +271,153 @@ def main():
     utils.setup_logging(rank)
     stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
-    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+    # before data and model: a bad path fails at once, on every rank
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
     utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
-    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "
-             f"weight decay {args.weight_decay:g}")
+    log.info(
+        f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
+        f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
+        f" {args.lr:.4g}, weight decay {args.weight_decay:g}"
+    )
 
-    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
+    # fixed input size: cuDNN times and picks its fastest kernels
+    torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     train_set, val_set, num_classes = build_datasets(args)
-    train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
-                                             world_size, device)
+    train_loader, val_loader = build_loaders(
+        train_set, val_set, batch_per_rank, args, rank, world_size, device
+    )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
     if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
+        # NHWC: what Tensor Core convolutions read
+        model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device,
-                                              unused_ok=args.find_unused_parameters)
+    flops_per_sample = utils.check_first_step(
+        model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
+    )
     if args.sync_bn:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, find_unused_parameters=args.find_unused_parameters,
-                **utils.no_buffer_sync_per_forward())
-    if args.comm_hook:  # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
+    model = DDP(
+        model,
+        device_ids=[local_rank] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=args.find_unused_parameters,
+        **utils.no_buffer_sync_per_forward(),
+    )
+    # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
+    if args.comm_hook:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
-        model = torch.compile(model, mode=args.compile_mode)  # DDP's buckets split the compiled graph
+        # DDP's buckets split the compiled graph
+        model = torch.compile(model, mode=args.compile_mode)
     optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    ema = utils.EMA(model, args.ema)  # --ema: a moving average of the weights, validated and saved beside them
+    # --ema: a moving average of the weights, validated and saved beside them
+    ema = utils.EMA(model, args.ema)
     checkpoint_path = output_dir / "checkpoint.pt"
-    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq steps
+    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
+    # steps
     records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or a run that
-        diverged, ends every rank."""
-        progress = records.state_dict()  # the epoch's sums over all ranks: the next record and epoch need them
+        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
+        a run that diverged, ends every rank."""
+        # the epoch's sums over all ranks: the next record and epoch need them
+        progress = records.state_dict()
         with utils.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
-                utils.check_finite(model, epoch, step, record, args)  # never NaN over the last good checkpoint
+                # never NaN over the last good checkpoint
+                utils.check_finite(model, epoch, step, record, args)
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                utils.save_checkpoint({"model": utils.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                                       "scheduler": scheduler.state_dict(), "ema": ema.state_dict(),
-                                       "records": progress, "epoch": epoch, "step": step, "arch": args.arch,
-                                       "optimizer_name": args.optimizer, "seed": args.seed,
-                                       **utils.rng_states()},
-                                      checkpoint_path)
+                utils.save_checkpoint(
+                    {
+                        "model": utils.unwrap(model).state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "ema": ema.state_dict(),
+                        "records": progress,
+                        "epoch": epoch,
+                        "step": step,
+                        "arch": args.arch,
+                        "optimizer_name": args.optimizer,
+                        "seed": args.seed,
+                        **utils.rng_states(),
+                    },
+                    checkpoint_path,
+                )
                 if args.ema:  # and the average alone, with plain keys
                     with ema.swapped():
-                        utils.save_checkpoint(utils.unwrap(model).state_dict(), output_dir / "model_ema.pt")
+                        utils.save_checkpoint(
+                            utils.unwrap(model).state_dict(), output_dir / "model_ema.pt"
+                        )
 
     state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = utils.restore(state, checkpoint_path, args, model=utils.unwrap(model),
-                                                optimizer=optimizer, scheduler=scheduler, records=records, ema=ema)
+        start_epoch, first_step = utils.restore(
+            state,
+            checkpoint_path,
+            args,
+            model=utils.unwrap(model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            records=records,
+            ema=ema,
+        )
     with utils.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks (a stream's too)
+        # a new shuffle each epoch, the same on all ranks (a stream's too)
+        train_loader.sampler.set_epoch(epoch)
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.epoch_loader(train_loader, first_step)
-        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, epoch, first_step, args, device,
-                                 stop, save, records, ema)
+        record = train_one_epoch(
+            model,
+            loader,
+            val_loader,
+            optimizer,
+            scheduler,
+            epoch,
+            first_step,
+            args,
+            device,
+            stop,
+            save,
+            records,
+            ema,
+        )
         first_step = 0
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))  # --ema: the average's too
+        # --ema: the average's too
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
-        record = dict(epoch=epoch + 1, **record, **validation,
-                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      **utils.memory_mb(model, optimizer, device),
-                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
+        record = dict(
+            epoch=epoch + 1,
+            **record,
+            **validation,
+            lr=optimizer.param_groups[0]["lr"],
+            world_size=world_size,
+            **utils.memory_mb(model, optimizer, device),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+        )
         save(epoch + 1, 0, record)
-    with utils.errors_shared_by_all_ranks():  # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
+    # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.save_pretrained(utils.unwrap(model), output_dir / "hf")
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint

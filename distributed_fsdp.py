@@ -1,17 +1,18 @@
 """Fully sharded data parallel (FSDP2): the model state sharded over all processes.
 
-    torchrun --standalone --nproc_per_node=8 distributed_fsdp.py --optimizer adamw --amp-dtype bfloat16
-    torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --dataset fake --arch tiny   # CPU, gloo
+    torchrun --standalone --nproc_per_node=8 distributed_fsdp.py \\
+        --optimizer adamw --amp-dtype bfloat16
+    # CPU, gloo:
+    torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --dataset fake --arch tiny
 
-DDP keeps the whole model, its gradients and its optimizer state on every GPU;
-FSDP keeps 1/N of each on each of N GPUs. A block's weights are all-gathered
-just before its forward (and again before its backward) and freed after; its
-gradients are reduce-scattered, so that each rank updates only its shard.
-Every rank still trains on its own share of every batch: data parallelism,
-with the model's memory spread over the GPUs. Checkpoints are sharded too:
-every rank writes its part of checkpoint/, and any number of processes can
-continue from it.
+DDP keeps the whole model, its gradients and its optimizer state on every GPU; FSDP keeps 1/N of
+each on each of N GPUs. A block's weights are all-gathered just before its forward (and again
+before its backward) and freed after; its gradients are reduce-scattered, so that each rank
+updates only its shard. Every rank still trains on its own share of every batch: data
+parallelism, with the model's memory spread over the GPUs. Checkpoints are sharded too: every
+rank writes its part of checkpoint/, and any number of processes can continue from it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,35 +29,52 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils import UsageError, log
 
-
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
+
 def build_datasets(args):
-    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches of."""
-    import builtin  # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
+    of."""
+    # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    import builtin
+
     return builtin.datasets(args)
 
 
 def build_model(args, num_classes: int) -> nn.Module:
-    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models take
-    them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
+    """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
+    take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
     import builtin  # --arch: tiny or a torchvision classifier
+
     return builtin.model(args.arch, num_classes, args.image_size)
 
 
 def compute_loss(outputs, targets):
-    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens, pixels) and
-    how many items it sums, for the exact mean over all ranks. Accuracy is logged where targets are class indices."""
-    return F.cross_entropy(outputs, targets)  # scores at dim 1: classification, per-pixel classification
+    """The batch's mean loss, a scalar; or a pair (sum, count), a sum of per-item losses (tokens,
+    pixels) and how many items it sums, for the exact mean over all ranks. Accuracy is logged where
+    targets are class indices.
+    """
+    # scores at dim 1: classification, per-pixel classification
+    return F.cross_entropy(outputs, targets)
 
 
 def collate(samples: list):
@@ -67,21 +85,49 @@ def collate(samples: list):
 
 # ---- the approach ----
 
+
 def parse_args():
     parser = utils.build_parser(__doc__.splitlines()[0])
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=0,
-                        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise")
-    parser.add_argument("--amp-dtype", choices=["float16", "bfloat16"], default=None,
-                        help="compute in this precision (FSDP's MixedPrecisionPolicy; default: float32)")
-    parser.add_argument("--init-scale", type=float, default=2.0**16,
-                        help="the gradient scaler's first loss scale (float16 only)")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="each sharding unit recomputes its activations in backward: less memory, more compute")
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="parameters, gradients and optimizer state in host memory (when 1/N of it exceeds a GPU)")
-    parser.add_argument("--replicate", type=int, default=1, metavar="N",
-                        help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)")
+    parser.add_argument(
+        "--local-rank",
+        "--local_rank",
+        type=int,
+        default=0,
+        help="set by torch.distributed.launch; read from LOCAL_RANK otherwise",
+    )
+    parser.add_argument(
+        "--amp-dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="compute in this precision (FSDP's MixedPrecisionPolicy; default: float32)",
+    )
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=2.0**16,
+        help="the gradient scaler's first loss scale (float16 only)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="each sharding unit recomputes its activations in backward: less memory, more compute",
+    )
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help=(
+            "parameters, gradients and optimizer state in host memory (when 1/N of it exceeds a"
+            " GPU)"
+        ),
+    )
+    parser.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)",
+    )
     args = parser.parse_args()
     utils.check_args(args)
     return args
@@ -91,24 +137,32 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-                   LOCAL_RANK=env["SLURM_LOCALID"])
-        env.setdefault("MASTER_ADDR", utils.slurm_master_addr(
-            env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]))
+        env.update(
+            RANK=env["SLURM_PROCID"],
+            WORLD_SIZE=env["SLURM_NTASKS"],
+            LOCAL_RANK=env["SLURM_LOCALID"],
+        )
+        env.setdefault(
+            "MASTER_ADDR",
+            utils.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+        )
         env.setdefault("MASTER_PORT", str(args.port or 29500))
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"local rank {local_rank}, but this node has "
-                             f"{torch.cuda.device_count()} GPUs: start one process per GPU")
+            raise UsageError(
+                f"local rank {local_rank}, but this node has "
+                f"{torch.cuda.device_count()} GPUs: start one process per GPU"
+            )
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
         utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
-    if args.cpu_offload and backend == "nccl":  # offloaded gradients: their norm is all-reduced on the CPU
+    # offloaded gradients: their norm is all-reduced on the CPU
+    if args.cpu_offload and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     if args.dist_url:
         init_method = args.dist_url
@@ -122,60 +176,98 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     try:
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout + stalls.GRACE,  # the watchdog names a stalled rank first
-                                device_id=device if "nccl" in backend else None)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            # the watchdog names a stalled rank first
+            timeout=timeout + stalls.GRACE,
+            device_id=device if "nccl" in backend else None,
+        )
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
-    if device.type == "cpu":  # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
+    # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
+    if device.type == "cpu":
         average = torch.zeros(1)
         dist.reduce_scatter_tensor(average, torch.ones(world_size), op=dist.ReduceOp.AVG)
         if average.item() != 1:
-            raise UsageError(f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes would "
-                             f"train wrong: use a newer PyTorch (2.15 is tested)")
+            raise UsageError(
+                f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes"
+                " would train wrong: use a newer PyTorch (2.15 is tested)"
+            )
     return rank, local_rank, world_size, device
 
 
-def build_loaders(train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int,
-                  device) -> tuple[DataLoader, DataLoader]:
-    # each batch comes as (samples, batch): counted as the samples collate received, whatever its structure;
-    # workers leave SIGTERM to this process, which stops at a step all ranks agree on, saves, and ends them; they
-    # start from a forkserver, not a fork of this process, whose threads (gloo's) could deadlock a forked child
-    common = dict(collate_fn=utils.Counted(collate), num_workers=args.workers, pin_memory=device.type == "cuda",
-                  persistent_workers=args.workers > 0, worker_init_fn=stalls.init_worker,
-                  multiprocessing_context=stalls.worker_start(args.workers))
-    if isinstance(train_set, IterableDataset):  # a stream, read here: each rank its part of every global batch,
-        # lists of samples the workers collate (so they never read the stream, which cannot split itself twice)
-        train_sampler = utils.StreamSampler(train_set, batch_per_rank, rank, world_size)
-        train_loader = DataLoader(utils.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common)
+def build_loaders(
+    train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
+) -> tuple[DataLoader, DataLoader]:
+    # each batch comes as (samples, batch): counted as the samples collate received, whatever its
+    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
+    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
+    # (gloo's) could deadlock a forked child
+    common = dict(
+        collate_fn=utils.Counted(collate),
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=args.workers > 0,
+        worker_init_fn=stalls.init_worker,
+        multiprocessing_context=stalls.worker_start(args.workers),
+    )
+    # a stream is read here (streams.py: copy it beside the script for a stream): each rank its part
+    # of every global batch, lists of samples the workers collate (so they never read the stream,
+    # which cannot split itself twice)
+    if isinstance(train_set, IterableDataset):
+        import streams
+
+        train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_loader = DataLoader(
+            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
+        )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=args.seed,
-                                           drop_last=True)
+        train_sampler = DistributedSampler(
+            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+        )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
-        train_loader = DataLoader(train_set, batch_per_rank, sampler=train_sampler, drop_last=True,
-                                  generator=torch.Generator(), **common)
-    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch, or its own
-    # shards): every image exactly once (DistributedSampler would pad the last shard with repeated images)
+        train_loader = DataLoader(
+            train_set,
+            batch_per_rank,
+            sampler=train_sampler,
+            drop_last=True,
+            generator=torch.Generator(),
+            **common,
+        )
+    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
+    # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
+    # repeated images)
     if isinstance(val_set, IterableDataset):
-        val_sampler = utils.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
-        val_loader = DataLoader(utils.Samples(), None, sampler=val_sampler, **common)
+        import streams
+
+        val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
-        val_loader = DataLoader(val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common)
+        val_loader = DataLoader(
+            val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common
+        )
     return train_loader, val_loader
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks to shard one by one: the entries of each outermost nn.ModuleList or nn.Sequential that hold
-    parameters (transformer layers, a ResNet stage's blocks, a Sequential's layers). An entry that shares a
-    parameter with a module outside it (a language model's head tied to its embedding) stays with the root."""
-    owners: dict[nn.Parameter, list[str]] = {}  # each parameter, and every name it is registered under
+    """The blocks to shard one by one: the entries of each outermost nn.ModuleList or nn.Sequential
+    that hold parameters (transformer layers, a ResNet stage's blocks, a Sequential's layers). An
+    entry that shares a parameter with a module outside it (a language model's head tied to its
+    embedding) stays with the root.
+    """
+    # each parameter, and every name it is registered under
+    owners: dict[nn.Parameter, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         owners.setdefault(parameter, []).append(name)
     units, containers = [], []
     for name, module in model.named_modules():
-        inside = any(name.startswith(c + ".") or not c for c in containers)  # "" is the root: all is inside it
+        # "" is the root: all is inside it
+        inside = any(name.startswith(c + ".") or not c for c in containers)
         if inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         containers.append(name)
@@ -188,131 +280,221 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 
 
 def build_once(args, num_classes: int, rank: int) -> nn.Module:
-    """build_model on rank 0; on the others on the meta device (shapes, no memory), where it can build so (a
-    from_pretrained cannot: build from the config on ranks > 0, docs/fsdp.md). Every rank then has the random
-    streams that rank 0's build left, as if each had built the model itself."""
+    """build_model on rank 0; on the others on the meta device (shapes, no memory), where it can
+    build so (a from_pretrained cannot: build from the config on ranks > 0, docs/fsdp.md). Every
+    rank then has the random streams that rank 0's build left, as if each had built the model
+    itself."""
     model = None
     if rank > 0:
         try:
             with torch.device("meta"):
                 model = build_model(args, num_classes)
         except Exception as e:  # a user's code: any type; built as on rank 0, still trained
-            log.warning(f"build_model cannot build on the meta device ({utils.first_line(e)}): rank {rank} builds "
-                        f"the whole model in memory")
+            log.warning(
+                f"build_model cannot build on the meta device ({utils.first_line(e)}): rank {rank}"
+                " builds the whole model in memory"
+            )
     if model is None:
         model = build_model(args, num_classes)
-    torch.set_rng_state(utils.gathered(torch.get_rng_state())[0])  # rank 0's
+    torch.set_rng_state(utils.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
     return model
 
 
+def gigabytes(params) -> float:
+    return sum(p.numel() * p.element_size() for p in params) / 1e9
+
+
 def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -> None:
-    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or its share of the
-    host's); a state that cannot fit ends the run in one line here, not by the out-of-memory killer mid-step."""
-    gb = lambda params: sum(p.numel() * p.element_size() for p in params) / 1e9  # noqa: E731 (meta: sizes only)
-    whole, grads = gb(model.parameters()), gb(p for p in model.parameters() if p.requires_grad) / shards
-    state = [whole / shards, grads, grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0))]
+    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or
+    its share of the host's); a state that cannot fit ends the run in one line here, not by the
+    out-of-memory killer mid-step.
+    """
+    # On the meta device: sizes only.
+    whole = gigabytes(model.parameters())
+    grads = gigabytes(p for p in model.parameters() if p.requires_grad) / shards
+    state = [
+        whole / shards,
+        grads,
+        grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0)),
+    ]
     if place.type == "cuda":
         free = torch.cuda.mem_get_info(place)[0] / 1e9
-    else:  # what the host has available (on rank 0's node also the model rank 0 built, freed once sharded), shared
+    # what the host has available (on rank 0's node also the model rank 0 built, freed once
+    # sharded), shared
+    else:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else "MemAvailable: 0"
+        meminfo = (
+            Path("/proc/meminfo").read_text()
+            if Path("/proc/meminfo").exists()
+            else "MemAvailable: 0"
+        )
         available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024 / 1e9 or float("inf")
         free = (available + whole * (dist.get_rank() < local_ranks)) / local_ranks
-    line = (f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients {state[1]:.2f}, "
-            f"{args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it ({place.type})")
+    line = (
+        f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
+        f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
+        f" ({place.type})"
+    )
     if sum(state) > free:
-        raise UsageError(f"{line}: it cannot fit: use more processes, --cpu-offload (GPUs) or a smaller model")
+        raise UsageError(
+            f"{line}: it cannot fit: use more processes, --cpu-offload (GPUs) or a smaller model"
+        )
     log.info(line)
 
 
-def shard_model(model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMesh, args) -> nn.Module:
-    """fully_shard each block, then the root (what is left: embeddings, a head). Replace it to choose other units."""
+def shard_model(
+    model: nn.Module, amp_dtype: torch.dtype | None, mesh: DeviceMesh, args
+) -> nn.Module:
+    """fully_shard each block, then the root (what is left: embeddings, a head). Replace it to
+    choose other units."""
     units = sharding_units(model)
-    if args.activation_checkpointing:  # non-reentrant: the random state (dropout) is replayed in the recompute
-        if hasattr(model, "gradient_checkpointing_enable"):  # a Hugging Face model checkpoints its own layers
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # non-reentrant: the random state (dropout) is replayed in the recompute
+    if args.activation_checkpointing:
+        # a Hugging Face model checkpoints its own layers
+        if hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
             for block in units:
                 checkpoint(block)  # hooks, not a wrapper module: the checkpoint's keys stay plain
-    # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in float32 for the loss;
-    # --cpu-offload: shards in host memory, each block copied to the GPU for its forward and backward
-    offload = CPUOffloadPolicy() if args.cpu_offload and mesh.device_type == "cuda" else OffloadPolicy()
+    # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in
+    # float32 for the loss; --cpu-offload: shards in host memory, each block copied to the GPU for
+    # its forward and backward
+    offload = (
+        CPUOffloadPolicy() if args.cpu_offload and mesh.device_type == "cuda" else OffloadPolicy()
+    )
     for block in units:
-        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(amp_dtype, torch.float32), offload_policy=offload)
-    return fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=MixedPrecisionPolicy(
-        amp_dtype, torch.float32, output_dtype=torch.float32 if amp_dtype else None))
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(amp_dtype, torch.float32),
+            offload_policy=offload,
+        )
+    return fully_shard(
+        model,
+        mesh=mesh,
+        offload_policy=offload,
+        mp_policy=MixedPrecisionPolicy(
+            amp_dtype, torch.float32, output_dtype=torch.float32 if amp_dtype else None
+        ),
+    )
 
 
-def train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch: int, first_step: int, args, device,
-                    stop, save, records, ema) -> dict:
+def train_one_epoch(
+    model,
+    loader,
+    val_loader,
+    optimizer,
+    scheduler,
+    scaler,
+    epoch: int,
+    first_step: int,
+    args,
+    device,
+    stop,
+    save,
+    records,
+    ema,
+) -> dict:
     model.train()
-    meter = records.meter_for_epoch(device, first_step)  # continued mid-epoch: with the sums the checkpoint kept
-    steps = records.steps_per_epoch  # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    # continued mid-epoch: with the sums the checkpoint kept
+    meter = records.meter_for_epoch(device, first_step)
+    # --steps-per-epoch may cut an epoch, and a stream end it sooner
+    steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last,
-                                                key=(epoch, step))
+        inputs, targets = utils.batch_to_device(
+            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+        )
         outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
-        # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's gradients here:
-        # every rank keeps the mean gradient of its own shard
+        # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's
+        # gradients here: every rank keeps the mean gradient of its own shard
         scaler.scale(utils.loss_for_backward(loss)).backward()
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all after this step
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
+        # after this step
         signum, last = stop.agreed()
-        recording = step % args.print_freq == 0 or last  # a record every --print-freq steps and at the end
-        if args.clip_grad or recording:  # the norm before clipping (inf: measured only), over all shards
+        # a record every --print-freq steps and at the end
+        recording = step % args.print_freq == 0 or last
+        # the norm before clipping (inf: measured only), over all shards
+        if args.clip_grad or recording:
             scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))  # a DTensor
-        scaler.step(optimizer)  # each rank updates its shard; float16: skipped on every rank if one overflowed
+            # a DTensor
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        # each rank updates its shard; float16: skipped on every rank if one overflowed
+        scaler.step(optimizer)
         scaler.update()
         ema.update()  # --ema: the average of each rank's own shards moves toward them
-        optimizer.zero_grad(set_to_none=True)  # freed now: the next forward, validation and saves need no gradients
+        # freed now: the next forward, validation and saves need no gradients
+        optimizer.zero_grad(set_to_none=True)
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
         if recording:  # the numbers of all ranks since the last record; a diverged run stops here
-            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())  # all shards' norm
-        if args.eval_every and step % args.eval_every == 0 and not last:  # --eval-every N: mid-epoch too
-            records.add(epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device)))
+            # all shards' norm
+            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())
+        # --eval-every N: mid-epoch too
+        if args.eval_every and step % args.eval_every == 0 and not last:
+            records.add(
+                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+            )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
-            save(epoch, step, final=bool(signum))  # this point of the epoch: the same command continues from here
+            # this point of the epoch: the same command continues from here
+            save(epoch, step, final=bool(signum))
         if signum:
             raise utils.Stopped(signum, epoch, step, steps)
-    return meter.totals()  # the epoch's loss and accuracy over all ranks, its time and speed
+    return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
 def evaluate(model, loader, args, device) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once."""
-    for buffer in model.buffers():  # rank 0's batch-norm statistics, the checkpoint's, on every rank
+    # rank 0's batch-norm statistics, the checkpoint's, on every rank
+    for buffer in model.buffers():
         dist.broadcast(buffer, 0)
     model.eval()
     meter = utils.Meter(device)
-    # every forward all-gathers weights from every rank, but shares may differ by a batch (a stream's by more):
-    # while any rank has a batch, one whose share has ended joins with a spare batch that counts for nothing
-    spare, shard = (0, loader.collate_fn(utils.first_samples(loader, 1))[1]), iter(loader)
-    while utils.all_reduce(torch.tensor(int((item := next(shard, None)) is not None), device=device)):  # ranks with one
+    # every forward all-gathers weights from every rank, but shares may differ by a batch (a
+    # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
+    # batch that counts for nothing
+    spare = (0, loader.collate_fn(utils.first_samples(loader, 1))[1])
+    shard = iter(loader)
+    while True:
+        item = next(shard, None)
+        # the ranks that have a batch
+        if not utils.all_reduce(torch.tensor(int(item is not None), device=device)):
+            break
         samples, batch = item or spare
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = utils.forward(model, inputs)
         if samples:
             meter.update(compute_loss(outputs, targets), outputs, targets, samples)
-    utils.unwrap(model).reshard()  # the root keeps its weights gathered after forward, for a backward: free them
-    val_loss, val_acc, samples = meter.reduce()  # sums over all ranks
-    return dict(val_loss=val_loss, val_acc=val_acc, val_images=samples)
+    # the root keeps its weights gathered after forward, for a backward: free them
+    utils.unwrap(model).reshard()
+    totals = meter.all_ranks()  # sums over all ranks
+    return dict(
+        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
+    )
 
 
 def save_sharded(state: dict, directory: Path, rank: int) -> None:
-    """Every rank writes its shards into a new directory at once; rank 0 then puts it in place of the last one, so
-    that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
-    new, old = directory.with_name(directory.name + ".new"), directory.with_name(directory.name + ".old")
+    """Every rank writes its shards into a new directory at once; rank 0 then puts it in place of
+    the last one, so that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
+    new, old = (
+        directory.with_name(directory.name + ".new"),
+        directory.with_name(directory.name + ".old"),
+    )
     try:
         with utils.progress.writing(directory, new):  # progress while the shard files grow
             dcp.save(state, checkpoint_id=new)
-        if torch.cuda.is_available():  # it copied GPU shards through pinned host memory, which CUDA keeps cached:
-            utils.free_cached_host_memory()  # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
+        # it copied GPU shards through pinned host memory, which CUDA keeps cached:
+        if torch.cuda.is_available():
+            # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
+            utils.free_cached_host_memory()
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
-        error = next(error for error, _ in e.failures.values())  # a failed write() names no file: name the directory
+        # a failed write() names no file: name the directory
+        error = next(error for error, _ in e.failures.values())
         if isinstance(error, OSError) and error.errno:
             raise OSError(error.errno, error.strerror, str(new)) from None
         raise write_error(new) from None
@@ -325,8 +507,8 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
 
 
 def write_error(directory: Path) -> OSError:
-    """Why writing into directory fails, as the OS says it (a full disk): torch.save inside a sharded save can
-    report a short write as a C++ error."""
+    """Why writing into directory fails, as the OS says it (a full disk): torch.save inside a
+    sharded save can report a short write as a C++ error."""
     probe = directory / f".probe{os.getpid()}"
     try:
         probe.write_bytes(bytes(2**20))
@@ -338,24 +520,35 @@ def write_error(directory: Path) -> OSError:
 
 
 def latest_checkpoint(directory: Path, rank: int) -> str | None:
-    """The last complete sharded checkpoint, as rank 0 sees it: checkpoint/, or checkpoint.old/ after a kill
-    between save_sharded's two renames; None if there is none."""
+    """The last complete sharded checkpoint, as rank 0 sees it: checkpoint/, or checkpoint.old/
+    after a kill between save_sharded's two renames; None if there is none."""
     old = directory.with_name(directory.name + ".old")
-    path = [next((str(d) for d in (directory, old) if rank == 0 and (d / ".metadata").exists()), None)]
+    path = [
+        next((str(d) for d in (directory, old) if rank == 0 and (d / ".metadata").exists()), None)
+    ]
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
 
-def load_sharded(path: str, state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Fill state (and the model and optimizer) from a checkpoint written by any number of processes."""
-    try:  # every rank reads the same files, so all fail alike: a broken .metadata, a missing key, another model
+def load_sharded(
+    path: str, state: dict, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Fill state (and the model and optimizer) from a checkpoint written by any number of
+    processes."""
+    # every rank reads the same files, so all fail alike: a broken .metadata, a missing key, another
+    # model
+    try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        if any(key.startswith("optimizer.state.") for key in saved):  # none before the first optimizer step
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # what to load into: this rank's shards
+        # none before the first optimizer step
+        if any(key.startswith("optimizer.state.") for key in saved):
+            # what to load into: this rank's shards
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=path)
     except Exception as e:  # many types
-        raise UsageError(f"{path} is not readable or does not fit this model or these flags ({utils.first_line(e)}): "
-                         f"use another --output-dir") from None
+        raise UsageError(
+            f"{path} is not readable or does not fit this model or these flags"
+            f" ({utils.first_line(e)}): use another --output-dir"
+        ) from None
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -368,87 +561,143 @@ def main():
     stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
     checkpoint_dir = output_dir / "checkpoint"
-    with utils.errors_shared_by_all_ranks():  # before data and model: a bad path fails at once, on every rank
+    # before data and model: a bad path fails at once, on every rank
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             utils.check_output_dir(output_dir)
-            shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)  # a killed write's
+            # a killed write's
+            shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
     utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
     batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     if args.replicate < 1 or world_size % args.replicate:
         raise UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes")
-    # the shards' mesh: world size / N ranks hold each replica (hybrid sharding: gathers stay within a node)
-    mesh = init_device_mesh(device.type, (args.replicate, world_size // args.replicate), mesh_dim_names=(
-        "replicate", "shard")) if args.replicate > 1 else init_device_mesh(device.type, (world_size,))
-    log.info(f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-             f"batch {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr {args.lr:.4g}, "
-             f"weight decay {args.weight_decay:g}, compute in {amp_dtype or torch.float32}, "
-             f"{args.replicate} x {world_size // args.replicate} shards")
+    # the shards' mesh: world size / N ranks hold each replica (hybrid sharding: gathers stay within
+    # a node)
+    mesh = (
+        init_device_mesh(
+            device.type,
+            (args.replicate, world_size // args.replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
+        if args.replicate > 1
+        else init_device_mesh(device.type, (world_size,))
+    )
+    log.info(
+        f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
+        f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
+        f" {args.lr:.4g}, weight decay {args.weight_decay:g}, compute in"
+        f" {amp_dtype or torch.float32}, {args.replicate} x {world_size // args.replicate} shards"
+    )
     if args.cpu_offload and device.type == "cpu":
-        log.info("--cpu-offload: on CPU processes the state is in host memory already; trained as without it")
+        log.info(
+            "--cpu-offload: on CPU processes the state is in host memory already; trained as"
+            " without it"
+        )
 
-    torch.backends.cudnn.benchmark = True  # fixed input size: cuDNN times and picks its fastest kernels
-    torch.manual_seed(args.seed)  # rank 0's initial weights, and the same random streams on every rank
+    # fixed input size: cuDNN times and picks its fastest kernels
+    torch.backends.cudnn.benchmark = True
+    # rank 0's initial weights, and the same random streams on every rank
+    torch.manual_seed(args.seed)
     train_set, val_set, num_classes = build_datasets(args)
-    train_loader, val_loader = build_loaders(train_set, val_set, batch_per_rank, args, rank,
-                                             world_size, device)
+    train_loader, val_loader = build_loaders(
+        train_set, val_set, batch_per_rank, args, rank, world_size, device
+    )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    model = build_once(args, num_classes, rank)  # rank 0 builds (or reads) the weights; the others, no memory
+    # rank 0 builds (or reads) the weights; the others, no memory
+    model = build_once(args, num_classes, rank)
     if args.sync_bn or args.find_unused_parameters or args.comm_hook:
-        raise UsageError("--sync-bn, --find-unused-parameters and --comm-hook are DDP's: FSDP shards normalisation "
-                         "statistics with nothing and trains parameters without gradient as they are; use "
-                         "distributed.py")
+        raise UsageError(
+            "--sync-bn, --find-unused-parameters and --comm-hook are DDP's: FSDP shards"
+            " normalisation statistics with nothing and trains parameters without gradient as they"
+            " are; use distributed.py"
+        )
     if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # NHWC: what Tensor Core convolutions read
-    place = torch.device("cpu") if args.cpu_offload else device  # where the shards will be (offloaded: host memory)
+        # NHWC: what Tensor Core convolutions read
+        model = model.to(memory_format=torch.channels_last)
+    # where the shards will be (offloaded: host memory)
+    place = torch.device("cpu") if args.cpu_offload else device
     with utils.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
         check_state_fits(model, world_size // args.replicate, args, place)
-    whole = model.state_dict() if rank == 0 else {}  # rank 0's weights, to send each rank its shards of them
-    # each block moves to the device and keeps 1/world_size of its weights there: the whole model never does
+    # rank 0's weights, to send each rank its shards of them
+    whole = model.state_dict() if rank == 0 else {}
+    # each block moves to the device and keeps 1/world_size of its weights there: the whole model
+    # never does
     model = shard_model(model, amp_dtype, mesh, args)
-    model = model.to_empty(device=place) if any(p.is_meta for p in model.parameters()) else model.to(place)
-    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model = (
+        model.to_empty(device=place)
+        if any(p.is_meta for p in model.parameters())
+        else model.to(place)
+    )
+    set_model_state_dict(
+        model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for buffer in model.buffers():  # those no state dict holds too (rotary tables)
         dist.broadcast(buffer, 0)
     del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(model, train_loader, compute_loss, args, device, unused_ok=True)
+    flops_per_sample = utils.check_first_step(
+        model, train_loader, compute_loss, args, device, unused_ok=True
+    )
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     module = utils.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
     optimizer = utils.build_optimizer(model.parameters(), args)  # over this rank's shards only
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
-    scaler = ShardedGradScaler(device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16)
-    ema = utils.EMA(model, args.ema)  # --ema: a moving average of this rank's shards, validated and saved beside them
-    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq steps
+    scaler = ShardedGradScaler(
+        device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
+    )
+    # --ema: a moving average of this rank's shards, validated and saved beside them
+    ema = utils.EMA(model, args.ema)
+    # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
+    # steps
     records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def training_state() -> dict:
-        """What continues the run exactly: every rank its own shards of the model and the optimizer, the rest once.
-        An optimizer without state (no step taken yet) saves none: asked for it, PyTorch would make one with a step
-        of its own."""
-        optimizer_state = {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
-        return {"model": get_model_state_dict(module), **optimizer_state, "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "records": records.state_dict(), "ema": ema.state_dict(),
-                "arch": args.arch, "optimizer_name": args.optimizer, "epoch": 0, "step": 0, "seed": args.seed,
-                **utils.rng_states()}
+        """What continues the run exactly: every rank its own shards of the model and the optimizer,
+        the rest once. An optimizer without state (no step taken yet) saves none: asked for it,
+        PyTorch would make one with a step of its own."""
+        optimizer_state = (
+            {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
+        )
+        return {
+            "model": get_model_state_dict(module),
+            **optimizer_state,
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "records": records.state_dict(),
+            "ema": ema.state_dict(),
+            "arch": args.arch,
+            "optimizer_name": args.optimizer,
+            "epoch": 0,
+            "step": 0,
+            "seed": args.seed,
+            **utils.rng_states(),
+        }
 
     def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
-        """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every rank."""
-        with utils.errors_shared_by_all_ranks():  # agreed before the sharded save, a collective, begins
+        """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every
+        rank."""
+        # agreed before the sharded save, a collective, begins
+        with utils.errors_shared_by_all_ranks():
             utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
-            if rank == 0 and record:  # first: a crash before the checkpoint is written redoes the epoch
+            # first: a crash before the checkpoint is written redoes the epoch
+            if rank == 0 and record:
                 records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
         with utils.errors_shared_by_all_ranks():
             save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
-        for name in ["model", "model_ema"][:1 + bool(args.ema)] if final else []:  # --ema: the average's twin
-            # the whole weights, gathered once, with plain keys: for one process, inference or distributed.py
-            # written while swapped in: one process's "gathered" weights are the model's own tensors
+        # --ema: the average's twin
+        for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
+            # the whole weights, gathered once, with plain keys: for one process, inference or
+            # distributed.py written while swapped in: one process's "gathered" weights are the
+            # model's own tensors
             with ema.swapped() if name == "model_ema" else contextlib.nullcontext():
-                weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                weights = get_model_state_dict(
+                    module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                )
                 with utils.errors_shared_by_all_ranks():
                     if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
                         utils.save_checkpoint(weights, output_dir / f"{name}.pt")
@@ -463,26 +712,48 @@ def main():
         with utils.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
-        start_epoch, first_step = utils.restore(state, path, args, scheduler=scheduler, scaler=scaler,
-                                               records=records, ema=ema)
+        start_epoch, first_step = utils.restore(
+            state, path, args, scheduler=scheduler, scaler=scaler, records=records, ema=ema
+        )
     with utils.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on all ranks (a stream's too)
+        # a new shuffle each epoch, the same on all ranks (a stream's too)
+        train_loader.sampler.set_epoch(epoch)
         # continued mid-epoch: the same order, without the batches already trained on
         loader = utils.epoch_loader(train_loader, first_step)
-        record = train_one_epoch(model, loader, val_loader, optimizer, scheduler, scaler, epoch, first_step, args,
-                                 device, stop, save, records, ema)
+        record = train_one_epoch(
+            model,
+            loader,
+            val_loader,
+            optimizer,
+            scheduler,
+            scaler,
+            epoch,
+            first_step,
+            args,
+            device,
+            stop,
+            save,
+            records,
+            ema,
+        )
         first_step = 0
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))  # --ema: the average's too
+        # --ema: the average's too
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
-        record = dict(epoch=epoch + 1, **record, **validation,
-                      lr=optimizer.param_groups[0]["lr"], world_size=world_size,
-                      **utils.memory_mb(model, optimizer, device),
-                      tflops=flops_per_sample * record["images_per_s"] / 1e12)
+        record = dict(
+            epoch=epoch + 1,
+            **record,
+            **validation,
+            lr=optimizer.param_groups[0]["lr"],
+            world_size=world_size,
+            **utils.memory_mb(model, optimizer, device),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+        )
         save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()

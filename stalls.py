@@ -1,5 +1,6 @@
 """No silent hang: a watchdog that ends every rank of a stalled run with one line naming the stalled
-rank, its step and its line of code, and how DataLoader workers start so that none can hang at start.
+rank, its step and its line of code, and how DataLoader workers start so that none can hang at
+start.
 
 A script starts it in one line of main(), after the process group and the output folder:
 
@@ -10,15 +11,14 @@ what the run does (utils.progress.batch(), utils.progress.writing()) and knows n
 
 The rule (docs/reliability.md):
 - before the first training step, work every rank does (data, model, a checkpoint's load, a compile)
-  takes as long as it takes: a rank stalls only when another has waited --timeout seconds for it in a
-  collective;
+  takes as long as it takes: a rank stalls only when another has waited --timeout seconds for it in
+  a collective;
 - from the first step on, --timeout seconds without a batch of training or validation on any rank is
   a stall (a compile is progress, however long);
-- a save is progress while its file (or folder) grows: one that wrote nothing for --timeout seconds is
-  a stall, named with the file.
-The ranks learn of each other through the rendezvous store, never a collective (that is what waits):
-a beat every few seconds, none per step. Each rank writes the stacks of its threads, and of its
-DataLoader workers, to OUTPUT_DIR/stalls/.
+- a save is progress while its file (or folder) grows: one that wrote nothing for --timeout seconds
+  is a stall, named with the file. The ranks learn of each other through the rendezvous store, never
+  a collective (that is what waits): a beat every few seconds, none per step. Each rank writes the
+  stacks of its threads, and of its DataLoader workers, to OUTPUT_DIR/stalls/.
 """
 
 from __future__ import annotations
@@ -45,9 +45,14 @@ import utils
 # Collectives wait this much longer than --timeout, so that the watchdog speaks first.
 GRACE = datetime.timedelta(seconds=30)
 
+# NCCL's Flight Recorder keeps each rank's last collectives, for a stalled rank's stalls/ folder. It
+# is read when a process group starts: the scripts import this file before.
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+
 
 class Watchdog(utils.Progress):
-    """Watches this rank's progress from a thread of its own, and ends every rank of a stalled run."""
+    """Watches this rank's progress from a thread of its own, and ends every rank of a stalled
+    run."""
 
     def __init__(self, timeout: float, output_dir: Path, rank: int):
         self.timeout = timeout
@@ -66,13 +71,15 @@ class Watchdog(utils.Progress):
         self.moved_at = time.monotonic()
         self.anyone_moved_at = self.moved_at
         self.moved_since_beat = False
-        # Before training: the collectives this rank has counted in the store, and since when it waits.
+        # Before training: the collectives this rank has counted in the store, and since when it
+        # waits.
         self.counted = 0
         self.waiting_since: float | None = None
         self.beats = 0
         self.closed = False
         self.ending = False
-        # The store the process group met in, under a prefix of its own (a torchrun restart's is new).
+        # The store the process group met in, under a prefix of its own (a torchrun restart's is
+        # new).
         self.store = None
         if self.world_size > 1:
             store = utils.default_store()
@@ -180,7 +187,8 @@ class Watchdog(utils.Progress):
         self.ending = True
         try:
             # Whatever fails here, the process ends: its main thread waits in close() for this one.
-            # The others first: they see the alarm at their next beat, while this rank writes stacks.
+            # The alarm goes first: the others see it at their next beat, while this rank writes
+            # its stacks.
             if self.store is not None:
                 with contextlib.suppress(RuntimeError):
                     self.store.add("alarm", 1)
@@ -195,24 +203,39 @@ class Watchdog(utils.Progress):
             }
             reports = [report]
             if self.store is not None:
-                with contextlib.suppress(RuntimeError):
+                try:
                     reports = self.exchange_reports(report)
+                except RuntimeError as e:
+                    self.note(f"the other ranks' reports could not be read: {utils.first_line(e)}")
             utils.say_line(stall_line(reports, self.world_size, self.timeout, self.stacks_dir))
+            # The store's host (rank 0, for tcp://) ends once every rank has read.
+            if self.store is not None:
+                with contextlib.suppress(RuntimeError):
+                    self.store.add("read", 1)
+                    wait_until(lambda: self.store.add("read", 0) >= self.world_size, 30)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
 
     def exchange_reports(self, report: dict) -> list[dict]:
-        """Every rank's report that arrives within a few seconds (the others see the alarm in a beat)."""
+        """Every rank's report that arrives within a few seconds (the others see the alarm in a
+        beat)."""
         self.store.set(f"report/{self.rank}", json.dumps(report))
         keys = [f"report/{rank}" for rank in range(self.world_size)]
+        started = time.monotonic()
         wait_until(lambda: self.store.check(keys), 10)
         reports = [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]
-        # The store's host (rank 0, for tcp://) ends once every rank has read.
-        self.store.add("read", 1)
-        wait_until(lambda: self.store.add("read", 0) >= self.world_size, 10)
+        if len(reports) < self.world_size:
+            waited = time.monotonic() - started
+            self.note(f"{len(reports)} of {self.world_size} reports after {waited:.1f} s")
         return reports
+
+    def note(self, line: str) -> None:
+        """A line at the end of this rank's stacks file: why its stall line may lack a rank."""
+        with contextlib.suppress(OSError):
+            with open(self.stacks_dir / f"rank{self.rank}.txt", "a") as file:
+                file.write(f"watchdog: {line}\n")
 
     def position(self) -> str:
         if self.epoch_step is None:
@@ -229,7 +252,9 @@ class Watchdog(utils.Progress):
         names = {thread.ident: thread.name for thread in threading.enumerate()}
         lines = []
         # The main thread first; not this thread, which only writes them.
-        threads = sorted(sys._current_frames().items(), key=lambda item: item[0] != self.main_thread)
+        threads = sorted(
+            sys._current_frames().items(), key=lambda item: item[0] != self.main_thread
+        )
         for ident, frame in threads:
             if ident != threading.get_ident():
                 lines.append(f"rank {self.rank}, thread {names.get(ident, ident)}:\n")
@@ -261,7 +286,8 @@ class Watchdog(utils.Progress):
 
 
 def is_compiling() -> bool:
-    """Is any thread compiling? A backward on a GPU, compiled on first use, runs in autograd's thread."""
+    """Is any thread compiling? A backward on a GPU, compiled on first use, runs in autograd's
+    thread."""
     for top in sys._current_frames().values():
         for frame, _ in traceback.walk_stack(top):
             if utils.COMPILE_FILES.search(frame.f_code.co_filename):
@@ -318,7 +344,7 @@ def stall_line(reports: list[dict], world_size: int, timeout: float, stacks_dir:
         if rank not in answered:
             parts.append(
                 f"rank {rank} did not answer (its main thread holds the GIL? "
-                f"it ends with its stacks on stderr)"
+                "it ends with its stacks on stderr)"
             )
     if len(parts) < world_size:
         them = "it" if len(parts) == 1 else "them"
@@ -404,7 +430,7 @@ def worker_start(workers: int):
     # passes no path to it, so they go in PYTHONPATH while it starts.
     script = getattr(sys.modules["__main__"], "__file__", None) or __file__
     folders = [Path(script).resolve().parent, Path(utils.__file__).resolve().parent]
-    modules = {"utils", "stalls"}
+    modules = {utils.__name__, __name__}
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve().parent in folders and Path(file).stem.isidentifier():

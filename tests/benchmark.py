@@ -11,6 +11,7 @@ that show where time goes and what the scripts gain over the textbook loop
 (tests/textbook.py), and a line naming the hardware, the PyTorch version and
 the command. It lives beside the tests because it drives the scripts exactly as they do.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # and utils
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[1]),
+]  # and utils
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
 from test_your_own_data import copy_with_your_functions  # noqa: E402
 
@@ -110,9 +114,13 @@ class Case:
     flags: list = field(default_factory=list)
     launcher: str = "torchrun"  # torchrun, python, or pair (two independent processes)
     env: dict = field(default_factory=dict)
-    blocking: bool = False  # the per-step all-reduce (stop signal, next batch) waited at once, as it was before
+    blocking: bool = (
+        False  # the per-step all-reduce (stop signal, next batch) waited at once, as it was before
+    )
     unwatched: bool = False  # no watchdog: no thread, no progress noted per batch
-    stream: str = ""  # a stream (STREAM_CODE) read as the scripts read it "now", or as they did "before"
+    stream: str = (
+        ""  # a stream (STREAM_CODE) read as the scripts read it "now", or as they did "before"
+    )
 
 
 def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
@@ -120,7 +128,14 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
     if quick:  # CPU: each rank gets one core
         one = {"OMP_NUM_THREADS": "1"}
         rows = [
-            Case("no DDP (dataparallel.py on CPU), 1 process", "dataparallel.py", 1, [], "python", one),
+            Case(
+                "no DDP (dataparallel.py on CPU), 1 process",
+                "dataparallel.py",
+                1,
+                [],
+                "python",
+                one,
+            ),
             Case("DDP, 1 process", "distributed.py", 1, [], "python", one),
             Case("DDP, 2 processes", "distributed.py", 2),
             Case(BLOCKING, "distributed.py", 2, blocking=True),
@@ -128,18 +143,50 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
             Case(EMA, "distributed.py", 2, ["--ema", "0.99"]),
             Case(TEXTBOOK, "tests/textbook.py", 2),
             Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
-            Case("DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"),
-            Case("DDP + AMP bfloat16, 2 processes", "distributed_amp.py", 2, ["--amp-dtype", "bfloat16"]),
-            Case("accumulation K=4 with no_sync", "distributed_grad_accum.py", 2, ["--accum-steps", "4"]),
-            Case("accumulation K=4, all-reduce every micro-batch", "distributed_grad_accum.py", 2,
-                 ["--accum-steps", "4", "--sync-every-micro-batch"]),
+            Case(
+                "DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"
+            ),
+            Case(
+                "DDP + AMP bfloat16, 2 processes",
+                "distributed_amp.py",
+                2,
+                ["--amp-dtype", "bfloat16"],
+            ),
+            Case(
+                "accumulation K=4 with no_sync",
+                "distributed_grad_accum.py",
+                2,
+                ["--accum-steps", "4"],
+            ),
+            Case(
+                "accumulation K=4, all-reduce every micro-batch",
+                "distributed_grad_accum.py",
+                2,
+                ["--accum-steps", "4", "--sync-every-micro-batch"],
+            ),
             Case("FSDP, 2 processes", "distributed_fsdp.py", 2),
-            Case(f"{STREAM}, {MAP}: read by the main processes", "distributed.py", 2, ["--workers", "2"],
-                 stream="now"),
-            Case(f"{STREAM}, {MAP}: read by every rank and worker ({STREAM_BEFORE})", "distributed.py", 2,
-                 ["--workers", "2"], stream="before"),
-            Case(f"{STREAM}, {COLLATE}: read by the main processes", "distributed.py", 2, ["--workers", "2"],
-                 env={"DECODE_IN": "collate"}, stream="now"),
+            Case(
+                f"{STREAM}, {MAP}: read by the main processes",
+                "distributed.py",
+                2,
+                ["--workers", "2"],
+                stream="now",
+            ),
+            Case(
+                f"{STREAM}, {MAP}: read by every rank and worker ({STREAM_BEFORE})",
+                "distributed.py",
+                2,
+                ["--workers", "2"],
+                stream="before",
+            ),
+            Case(
+                f"{STREAM}, {COLLATE}: read by the main processes",
+                "distributed.py",
+                2,
+                ["--workers", "2"],
+                env={"DECODE_IN": "collate"},
+                stream="now",
+            ),
         ]
         return [row for row in rows if before or row.stream != "before"]
     cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
@@ -154,15 +201,36 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
         Case("DDP by mp.spawn fp32", "distributed_mp.py", n, ["--nproc", str(n)], "python"),
         Case("DDP + AMP float16", "distributed_amp.py", n, ["--amp-dtype", "float16"]),
         Case("DDP + AMP bfloat16", "distributed_amp.py", n, ["--amp-dtype", "bfloat16"]),
-        Case("DDP + AMP bfloat16 + channels_last", "distributed_amp.py", n, ["--amp-dtype", "bfloat16", *cl]),
-        Case("DDP + AMP bfloat16 + channels_last + compile", "distributed_amp.py", n,
-             ["--amp-dtype", "bfloat16", *cl, *comp]),
-        Case("DDP + AMP float16 + channels_last + compile", "distributed_amp.py", n,
-             ["--amp-dtype", "float16", *cl, *comp]),
-        Case("DDP + AMP bfloat16 + channels_last + CUDA graphs (reduce-overhead)", "distributed_amp.py", n,
-             [*bf16, *cl, "--compile-mode", "reduce-overhead"]),
-        Case("DDP + AMP bfloat16 + channels_last + max-autotune", "distributed_amp.py", n,
-             [*bf16, *cl, "--compile-mode", "max-autotune"]),
+        Case(
+            "DDP + AMP bfloat16 + channels_last",
+            "distributed_amp.py",
+            n,
+            ["--amp-dtype", "bfloat16", *cl],
+        ),
+        Case(
+            "DDP + AMP bfloat16 + channels_last + compile",
+            "distributed_amp.py",
+            n,
+            ["--amp-dtype", "bfloat16", *cl, *comp],
+        ),
+        Case(
+            "DDP + AMP float16 + channels_last + compile",
+            "distributed_amp.py",
+            n,
+            ["--amp-dtype", "float16", *cl, *comp],
+        ),
+        Case(
+            "DDP + AMP bfloat16 + channels_last + CUDA graphs (reduce-overhead)",
+            "distributed_amp.py",
+            n,
+            [*bf16, *cl, "--compile-mode", "reduce-overhead"],
+        ),
+        Case(
+            "DDP + AMP bfloat16 + channels_last + max-autotune",
+            "distributed_amp.py",
+            n,
+            [*bf16, *cl, "--compile-mode", "max-autotune"],
+        ),
         Case("DDP fp32, accumulation K=2", "distributed_grad_accum.py", n, ["--accum-steps", "2"]),
         Case("FSDP fp32", "distributed_fsdp.py", n),
         Case("FSDP bfloat16 + channels_last", "distributed_fsdp.py", n, [*bf16, *cl]),
@@ -171,32 +239,70 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
 
 def workload(args) -> list[str]:
     workers = [] if args.workers is None else ["--workers", str(args.workers)]
-    return ["--dataset", "fake", "--fake-size", str(args.fake_size), "--image-size", str(args.image_size),
-            "--arch", args.arch, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-            "--print-freq", "100000", *workers]
+    return [
+        "--dataset",
+        "fake",
+        "--fake-size",
+        str(args.fake_size),
+        "--image-size",
+        str(args.image_size),
+        "--arch",
+        args.arch,
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        str(args.epochs),
+        "--print-freq",
+        "100000",
+        *workers,
+    ]
 
 
 def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
     """Run one case; returns the epochs of every process that wrote metrics (two for a pair)."""
     flags = [*common, *case.flags]
     if case.blocking or case.unwatched:
-        case = Case(case.name, changed_copy(case.script, out / "copy", case.blocking), case.nproc, case.flags,
-                    case.launcher, case.env)
+        case = Case(
+            case.name,
+            changed_copy(case.script, out / "copy", case.blocking),
+            case.nproc,
+            case.flags,
+            case.launcher,
+            case.env,
+        )
     if case.stream:
-        case = Case(case.name, str(stream_copy(case.script, out, case.stream)), case.nproc, case.flags, case.launcher,
-                    {**case.env, "DECODES": str(out / "decodes")}, stream=case.stream)
-    if case.launcher == "pair":  # two runs that never communicate, each with half the batch and data
+        case = Case(
+            case.name,
+            str(stream_copy(case.script, out, case.stream)),
+            case.nproc,
+            case.flags,
+            case.launcher,
+            {**case.env, "DECODES": str(out / "decodes")},
+            stream=case.stream,
+        )
+    if (
+        case.launcher == "pair"
+    ):  # two runs that never communicate, each with half the batch and data
         half = half_workload(flags)
-        run_parallel([(python(case.script, *half, "--output-dir", out / str(i)), case.env) for i in (0, 1)],
-                     timeout=1800)
+        run_parallel(
+            [(python(case.script, *half, "--output-dir", out / str(i)), case.env) for i in (0, 1)],
+            timeout=1800,
+        )
         return [metrics(out / str(i)) for i in (0, 1)]
-    cmd = (python(case.script, *flags, "--output-dir", out) if case.launcher == "python"
-           else torchrun(case.nproc, case.script, *flags, "--output-dir", out))
+    cmd = (
+        python(case.script, *flags, "--output-dir", out)
+        if case.launcher == "python"
+        else torchrun(case.nproc, case.script, *flags, "--output-dir", out)
+    )
     run(cmd, timeout=1800, env=case.env)
     epochs = metrics(out)
-    if case.stream:  # decodes per sample: over each epoch's pass through the training and the validation stream
+    if (
+        case.stream
+    ):  # decodes per sample: over each epoch's pass through the training and the validation stream
         size = int(flags[flags.index("--fake-size") + 1])
-        epochs[-1]["decodes_per_sample"] = (out / "decodes").stat().st_size / (len(epochs) * (size + size // 5))
+        epochs[-1]["decodes_per_sample"] = (out / "decodes").stat().st_size / (
+            len(epochs) * (size + size // 5)
+        )
     return [epochs]
 
 
@@ -208,8 +314,15 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
         root = out / "before"
         root.mkdir(parents=True)
         for name in (script, "utils.py"):
-            (root / name).write_text(subprocess.run(["git", "show", f"{STREAM_BEFORE}:{name}"], cwd=ROOT, check=True,
-                                                    capture_output=True, text=True).stdout)
+            (root / name).write_text(
+                subprocess.run(
+                    ["git", "show", f"{STREAM_BEFORE}:{name}"],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+            )
     copy = copy_with_your_functions(script, out / "copy", STREAM_CODE, root)
     shutil.copy(ROOT / "builtin.py", copy.parent)
     return copy
@@ -224,10 +337,15 @@ def changed_copy(script: str, directory: Path, blocking: bool) -> str:
         shutil.copy(ROOT / name, directory)
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
     watchdog = "utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)"
-    name, old, new = (("utils.py", agreement, agreement.replace("True", "False")) if blocking else
-                      (script, watchdog, "pass  # no watchdog: no thread"))
+    name, old, new = (
+        ("utils.py", agreement, agreement.replace("True", "False"))
+        if blocking
+        else (script, watchdog, "pass  # no watchdog: no thread")
+    )
     source = (directory / name).read_text()
-    assert old in source, "utils.StopSignal or the script's watchdog line changed: update the benchmark's copy"
+    assert old in source, (
+        "utils.StopSignal or the script's watchdog line changed: update the benchmark's copy"
+    )
     (directory / name).write_text(source.replace(old, new))
     return str(directory / script)
 
@@ -248,197 +366,315 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
     slows a run down (here by up to half again, for whole epochs), so the ratios use it.
     """
     seconds = [statistics.mean(m["epoch_time_s"] for m in processes[0][1:]) for processes in runs]
-    rates = [[sum(epochs) for epochs in zip(*[[m["images_per_s"] for m in p[1:]] for p in processes])]
-             for processes in runs]
+    rates = [
+        [sum(epochs) for epochs in zip(*[[m["images_per_s"] for m in p[1:]] for p in processes])]
+        for processes in runs
+    ]
     last = runs[-1][0][-1]
-    return dict(seconds=statistics.median(seconds), low=min(seconds), high=max(seconds),
-                first=statistics.median(processes[0][0]["epoch_time_s"] for processes in runs),
-                images_per_s=statistics.median(statistics.mean(r) for r in rates),
-                best=max(max(r) for r in rates), tflops=last.get("tflops"),
-                state_mb=(sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
-                          if "params_mb" in last else None),
-                peak_mem_mb=last.get("peak_mem_mb", 0.0), val_acc=last["val_acc"], val_acc_ema=last.get("val_acc_ema"),
-                decodes=statistics.median(p[0][-1].get("decodes_per_sample", 0) for p in runs),
-                data_wait=statistics.mean(m["data_wait_s"] / m["epoch_time_s"]
-                                          for processes in runs for m in processes[0][1:]))
+    return dict(
+        seconds=statistics.median(seconds),
+        low=min(seconds),
+        high=max(seconds),
+        first=statistics.median(processes[0][0]["epoch_time_s"] for processes in runs),
+        images_per_s=statistics.median(statistics.mean(r) for r in rates),
+        best=max(max(r) for r in rates),
+        tflops=last.get("tflops"),
+        state_mb=(
+            sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
+            if "params_mb" in last
+            else None
+        ),
+        peak_mem_mb=last.get("peak_mem_mb", 0.0),
+        val_acc=last["val_acc"],
+        val_acc_ema=last.get("val_acc_ema"),
+        decodes=statistics.median(p[0][-1].get("decodes_per_sample", 0) for p in runs),
+        data_wait=statistics.mean(
+            m["data_wait_s"] / m["epoch_time_s"] for processes in runs for m in processes[0][1:]
+        ),
+    )
 
 
 def table(rows: list[tuple[Case, dict]], batch: int) -> str:
-    lines = ["| approach | processes | global batch | s/epoch median (min-max) | first epoch s | images/s "
-             "| TFLOP/s | peak memory MB | model state MB per rank | data wait | val acc |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| approach | processes | global batch | s/epoch median (min-max) | first epoch s | images/s "
+        "| TFLOP/s | peak memory MB | model state MB per rank | data wait | val acc |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for case, s in rows:
         b = f"2 x {batch // 2}" if case.launcher == "pair" else str(batch)
         tflops = "-" if s["tflops"] is None else f"{s['tflops']:.2f}"
-        state = "-" if s["state_mb"] is None else f"{s['state_mb']:.2f}"  # parameters, gradients, optimizer
-        lines.append(f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
-                     f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} | {state} "
-                     f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |")
+        state = (
+            "-" if s["state_mb"] is None else f"{s['state_mb']:.2f}"
+        )  # parameters, gradients, optimizer
+        lines.append(
+            f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
+            f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} | {state} "
+            f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def textbook_ratio(results: dict[str, dict], same: str) -> str:
     """Ours against the textbook loop: `same` has its processes, batch, recipe and precision; and our fastest."""
     textbook = next(name for name in results if name.startswith(TEXTBOOK))
-    fastest = max((name for name in results if name != textbook and "ceiling" not in name),
-                  key=lambda name: results[name]["best"])
+    fastest = max(
+        (name for name in results if name != textbook and "ceiling" not in name),
+        key=lambda name: results[name]["best"],
+    )
     return "- against the textbook loop: " + "; ".join(
         f"{name} / textbook = {results[name]['best'] / results[textbook]['best']:.2f}x images/s"
-        for name in dict.fromkeys([same, fastest]) if name in results)
+        for name in dict.fromkeys([same, fastest])
+        if name in results
+    )
 
 
 def chart(rows: list[tuple[Case, dict]], title: str) -> str:
     """An SVG bar chart of images/s per approach, fastest first: the scripts in blue, the textbook loop grey."""
     rows = sorted(rows, key=lambda row: -row[1]["images_per_s"])
-    left = 20 + round(7.5 * max(len(case.name) for case, _ in rows))  # about 7.5 px a character at 13 px
+    left = 20 + round(
+        7.5 * max(len(case.name) for case, _ in rows)
+    )  # about 7.5 px a character at 13 px
     bar, step, scale = 20, 28, 330 / max(s["images_per_s"] for _, s in rows)
     height = 70 + step * len(rows)
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(800, left + 420)}" height="{height}" '
-           f'font-family="sans-serif" font-size="13"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>']
+    svg = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(800, left + 420)}" height="{height}" '
+        f'font-family="sans-serif" font-size="13"><rect width="100%" height="100%" fill="white"/>',
+        f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
+    ]
     for i, (case, s) in enumerate(rows):
         y, width = 40 + i * step, s["images_per_s"] * scale
-        colour = "#9e9e9e" if case.name.startswith(TEXTBOOK) else "#b0bec5" if case.launcher == "pair" else "#1f77b4"
-        svg += [f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(case.name)}</text>',
-                f'<rect x="{left}" y="{y}" width="{width:.1f}" height="{bar}" fill="{colour}"/>',
-                f'<text x="{left + width + 6:.1f}" y="{y + 15}">{s["images_per_s"]:,.0f}</text>']
-    svg.append(f'<text x="10" y="{height - 12}" fill="#555">images/s, higher is better. Blue: these scripts; '
-               f'grey: the textbook loop; light: a ceiling, not a way to train</text>')
+        colour = (
+            "#9e9e9e"
+            if case.name.startswith(TEXTBOOK)
+            else "#b0bec5"
+            if case.launcher == "pair"
+            else "#1f77b4"
+        )
+        svg += [
+            f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(case.name)}</text>',
+            f'<rect x="{left}" y="{y}" width="{width:.1f}" height="{bar}" fill="{colour}"/>',
+            f'<text x="{left + width + 6:.1f}" y="{y + 15}">{s["images_per_s"]:,.0f}</text>',
+        ]
+    svg.append(
+        f'<text x="10" y="{height - 12}" fill="#555">images/s, higher is better. Blue: these scripts; '
+        f"grey: the textbook loop; light: a ceiling, not a way to train</text>"
+    )
     return "\n".join(svg + ["</svg>\n"])
 
 
 def cpu_ratios(results: dict[str, dict]) -> str:
-    r = {name.split(",")[0] if "ceiling" in name else name: s["best"] for name, s in results.items()}
+    r = {
+        name.split(",")[0] if "ceiling" in name else name: s["best"] for name, s in results.items()
+    }
     ddp1, ddp2 = r["DDP, 1 process"], r["DDP, 2 processes"]
-    ceiling, plain = r["ceiling: 2 independent processes"], r["no DDP (dataparallel.py on CPU), 1 process"]
+    ceiling, plain = (
+        r["ceiling: 2 independent processes"],
+        r["no DDP (dataparallel.py on CPU), 1 process"],
+    )
     no_sync = r["accumulation K=4 with no_sync"]
     every = r["accumulation K=4, all-reduce every micro-batch"]
     data_wait = results["DDP, 2 processes"]["data_wait"]
-    return "\n".join([
-        "Ratios of each case's fastest measured epoch (images/s):",
-        f"- scaling: 2 DDP processes / 1 process = {ddp2 / ddp1:.2f}x; "
-        f"ceiling (2 independent processes) / 1 process = {ceiling / ddp1:.2f}x; "
-        f"DDP / ceiling = {ddp2 / ceiling:.3f} (goal >= 0.95)",
-        f"- DDP overhead at world size 1: {100 * (plain / ddp1 - 1):+.1f}% "
-        f"time per image against the same training without DDP (goal <= 3%)",
-        f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
-        agreement_ratio(results),
-        watchdog_ratio(results, "DDP, 2 processes", UNWATCHED),
-        ema_ratio(results, EMA, "DDP, 2 processes"),
-        stream_ratio(results),
-        f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
-        fsdp_ratio(results, "FSDP, 2 processes", "DDP, 2 processes"),
-        textbook_ratio(results, "DDP, 2 processes")])
+    return "\n".join(
+        [
+            "Ratios of each case's fastest measured epoch (images/s):",
+            f"- scaling: 2 DDP processes / 1 process = {ddp2 / ddp1:.2f}x; "
+            f"ceiling (2 independent processes) / 1 process = {ceiling / ddp1:.2f}x; "
+            f"DDP / ceiling = {ddp2 / ceiling:.3f} (goal >= 0.95)",
+            f"- DDP overhead at world size 1: {100 * (plain / ddp1 - 1):+.1f}% "
+            f"time per image against the same training without DDP (goal <= 3%)",
+            f"- accumulation: all-reduce every micro-batch / no_sync = {no_sync / every:.2f}x time per image",
+            agreement_ratio(results),
+            watchdog_ratio(results, "DDP, 2 processes", UNWATCHED),
+            ema_ratio(results, EMA, "DDP, 2 processes"),
+            stream_ratio(results),
+            f"- data loading: {100 * data_wait:.1f}% of DDP step time spent waiting for data (goal < 5%)",
+            fsdp_ratio(results, "FSDP, 2 processes", "DDP, 2 processes"),
+            textbook_ratio(results, "DDP, 2 processes"),
+        ]
+    )
 
 
 def agreement_ratio(results: dict[str, dict]) -> str:
     """The per-step all-reduce of the stop signal and of whether every rank has a next batch: overlapped with the
     step, against waited for at once (each case's fastest epoch and median run)."""
     a, b = results["DDP, 2 processes"], results[BLOCKING]
-    return (f"- per-step agreement (stop signal, next batch): overlapped with the step / blocking = "
-            f"{a['best'] / b['best']:.2f}x images/s (median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
+    return (
+        f"- per-step agreement (stop signal, next batch): overlapped with the step / blocking = "
+        f"{a['best'] / b['best']:.2f}x images/s (median runs {a['images_per_s'] / b['images_per_s']:.2f}x)"
+    )
 
 
 def watchdog_ratio(results: dict[str, dict], watched: str, unwatched: str) -> str:
     """What the watchdog costs: a thread that wakes every 2 s, and a time noted per batch."""
     a, b = results[watched], results[unwatched]
-    return (f"- watchdog: with / without = {a['best'] / b['best']:.2f}x images/s "
-            f"(median runs {a['images_per_s'] / b['images_per_s']:.2f}x)")
+    return (
+        f"- watchdog: with / without = {a['best'] / b['best']:.2f}x images/s "
+        f"(median runs {a['images_per_s'] / b['images_per_s']:.2f}x)"
+    )
 
 
 def ema_ratio(results: dict[str, dict], ema: str, plain: str) -> str:
     """What the moving average of the weights costs a step (its update; its validation is outside the epoch's time),
     and its validation accuracy beside the weights' own."""
     a, b = results[ema], results[plain]
-    return (f"- moving average (--ema): {100 * (b['best'] / a['best'] - 1):+.1f}% time per image against the same "
-            f"run without; val acc {a['val_acc_ema']:.3f} averaged, {a['val_acc']:.3f} trained")
+    return (
+        f"- moving average (--ema): {100 * (b['best'] / a['best'] - 1):+.1f}% time per image against the same "
+        f"run without; val acc {a['val_acc_ema']:.3f} averaged, {a['val_acc']:.3f} trained"
+    )
 
 
 def stream_ratio(results: dict[str, dict]) -> str:
     """A stream that decodes where it is read: read by the main processes against by every rank and worker."""
     everyone = f"every rank and worker ({STREAM_BEFORE})"
-    now, before, collated = (results.get(f"{STREAM}, {how}: read by {who}") for how, who in (
-        (MAP, "the main processes"), (MAP, everyone), (COLLATE, "the main processes")))
-    if before is None:  # --without-before: where the stream decodes, both read by the main processes
-        return (f"- streams: read by the main processes, decoded in collate / in its map = "
-                f"{collated['best'] / now['best']:.2f}x images/s, decodes per sample {collated['decodes']:.2f} "
-                f"and {now['decodes']:.2f}")
+    now, before, collated = (
+        results.get(f"{STREAM}, {how}: read by {who}")
+        for how, who in (
+            (MAP, "the main processes"),
+            (MAP, everyone),
+            (COLLATE, "the main processes"),
+        )
+    )
+    if (
+        before is None
+    ):  # --without-before: where the stream decodes, both read by the main processes
+        return (
+            f"- streams: read by the main processes, decoded in collate / in its map = "
+            f"{collated['best'] / now['best']:.2f}x images/s, decodes per sample {collated['decodes']:.2f} "
+            f"and {now['decodes']:.2f}"
+        )
     median = now["images_per_s"] / before["images_per_s"]
-    return (f"- streams: decoded in its map, read by the main processes / by every rank and worker = "
-            f"{now['best'] / before['best']:.2f}x images/s (median runs {median:.2f}x), "
-            f"decodes per sample {now['decodes']:.2f} against {before['decodes']:.2f}; decoded in collate / every rank "
-            f"and worker = {collated['best'] / before['best']:.2f}x images/s, {collated['decodes']:.2f} decodes per "
-            f"sample")
+    return (
+        f"- streams: decoded in its map, read by the main processes / by every rank and worker = "
+        f"{now['best'] / before['best']:.2f}x images/s (median runs {median:.2f}x), "
+        f"decodes per sample {now['decodes']:.2f} against {before['decodes']:.2f}; decoded in collate / every rank "
+        f"and worker = {collated['best'] / before['best']:.2f}x images/s, {collated['decodes']:.2f} decodes per "
+        f"sample"
+    )
 
 
 def fsdp_ratio(results: dict[str, dict], fsdp: str, ddp: str) -> str:
     """What sharding costs in speed and saves in model state per rank, against DDP with the same processes."""
     a, b = results[fsdp], results[ddp]
-    return (f"- FSDP against DDP, same processes: {a['best'] / b['best']:.2f}x images/s, "
-            f"{a['state_mb'] / b['state_mb']:.2f}x model state per rank")
+    return (
+        f"- FSDP against DDP, same processes: {a['best'] / b['best']:.2f}x images/s, "
+        f"{a['state_mb'] / b['state_mb']:.2f}x model state per rank"
+    )
 
 
 def hardware() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, " if torch.cuda.is_available() else "")
-    return (f"{gpu}{os.cpu_count()} CPU cores ({cpu}), PyTorch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    gpu = (
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, "
+        if torch.cuda.is_available()
+        else ""
+    )
+    return (
+        f"{gpu}{os.cpu_count()} CPU cores ({cpu}), PyTorch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small CPU workload, a few minutes on 2 cores")
-    parser.add_argument("--repeats", type=int, default=None, help="rounds over all cases (default 3, quick 2)")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs per run; the first is warm-up")
+    parser.add_argument(
+        "--quick", action="store_true", help="small CPU workload, a few minutes on 2 cores"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="rounds over all cases (default 3, quick 2)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="epochs per run; the first is warm-up"
+    )
     parser.add_argument("--fake-size", type=int, default=None, help="images per epoch")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="DataLoader workers per process (default: the scripts' own default)")
-    parser.add_argument("--only", default=None,
-                        help="run only the case of this name, or those whose names contain it; A|B: either")
-    parser.add_argument("--chart", default=None, metavar="PATH", help="also write images/s per approach as an SVG")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: the scripts' own default)",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only the case of this name, or those whose names contain it; A|B: either",
+    )
+    parser.add_argument(
+        "--chart", default=None, metavar="PATH", help="also write images/s per approach as an SVG"
+    )
     # the scripts of STREAM_BEFORE are history, not ours to fix: in a CI run on 2026-11-25 their validation waited on
     # a DataLoader worker until the 300 s collective timeout (not again in 35 runs here); the tests leave them out
-    parser.add_argument("--without-before", action="store_true",
-                        help=f"leave out the stream row that runs the scripts of commit {STREAM_BEFORE}")
+    parser.add_argument(
+        "--without-before",
+        action="store_true",
+        help=f"leave out the stream row that runs the scripts of commit {STREAM_BEFORE}",
+    )
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
     if not args.quick and gpus == 0:
         parser.error("no GPU visible: use --quick for the CPU benchmark")
-    defaults = (dict(repeats=2, epochs=3, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
-                if args.quick else
-                dict(repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32))
+    defaults = (
+        dict(repeats=2, epochs=3, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
+        if args.quick
+        else dict(
+            repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32
+        )
+    )
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     all_cases = cases(args.quick, gpus, not args.without_before)
     wanted = args.only.split("|") if args.only else []  # an exact name picks that case alone
-    selected = [c for c in all_cases if not wanted or any(w == c.name or (w in c.name and not any(
-        w == other.name for other in all_cases)) for w in wanted)]
+    selected = [
+        c
+        for c in all_cases
+        if not wanted
+        or any(
+            w == c.name or (w in c.name and not any(w == other.name for other in all_cases))
+            for w in wanted
+        )
+    ]
     common = workload(args)
     runs: dict[str, list] = {c.name: [] for c in selected}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             for i, case in enumerate(selected):
-                print(f"round {round_ + 1}/{args.repeats}: {case.name}", file=sys.stderr, flush=True)
+                print(
+                    f"round {round_ + 1}/{args.repeats}: {case.name}", file=sys.stderr, flush=True
+                )
                 runs[case.name].append(run_case(case, common, Path(tmp) / f"{round_}-{i}"))
                 # each run's row at once, so a cut-off benchmark still leaves its numbers
-                print(table([(case, summarise(runs[case.name][-1:]))], args.batch_size)
-                      .splitlines()[-1], file=sys.stderr, flush=True)
+                print(
+                    table([(case, summarise(runs[case.name][-1:]))], args.batch_size).splitlines()[
+                        -1
+                    ],
+                    file=sys.stderr,
+                    flush=True,
+                )
     results = {c.name: summarise(runs[c.name]) for c in selected}
-    workload_line = (f"{args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images per epoch, "
-                     f"global batch {args.batch_size}")
-    print(f"Workload: {workload_line}, {args.epochs} epochs per run (first is warm-up, shown apart), "
-          f"{args.repeats} runs per case.\n")
+    workload_line = (
+        f"{args.arch}, fake data {args.image_size}x{args.image_size}, {args.fake_size} images per epoch, "
+        f"global batch {args.batch_size}"
+    )
+    print(
+        f"Workload: {workload_line}, {args.epochs} epochs per run (first is warm-up, shown apart), "
+        f"{args.repeats} runs per case.\n"
+    )
     print(table([(c, results[c.name]) for c in selected], args.batch_size))
     if args.quick and args.only is None:
         print("\n" + cpu_ratios(results))
-    elif "DDP, 2 processes" in results and results.keys() & {BLOCKING, EMA, UNWATCHED}:  # --only "DDP, 2 proc"
+    elif "DDP, 2 processes" in results and results.keys() & {
+        BLOCKING,
+        EMA,
+        UNWATCHED,
+    }:  # --only "DDP, 2 proc"
         print()
         if BLOCKING in results:
             print(agreement_ratio(results))
@@ -458,10 +694,16 @@ def main() -> None:
             print(watchdog_ratio(results, "DDP fp32", "DDP fp32, no watchdog"))
         if {"DDP fp32 + EMA 0.999", "DDP fp32"} <= results.keys():
             print(ema_ratio(results, "DDP fp32 + EMA 0.999", "DDP fp32"))
-    print(f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {shlex.join(sys.argv[1:])}")
+    print(
+        f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {shlex.join(sys.argv[1:])}"
+    )
     if args.chart:
-        Path(args.chart).write_text(chart([(c, results[c.name]) for c in selected],
-                                          f"{workload_line}; {hardware().split(', PyTorch')[0]}"))
+        Path(args.chart).write_text(
+            chart(
+                [(c, results[c.name]) for c in selected],
+                f"{workload_line}; {hardware().split(', PyTorch')[0]}",
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Fixtures shared by the tests; the helpers that run the scripts live in processes.py."""
+
 from __future__ import annotations
 
 import sys
@@ -6,8 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from processes import (EVAL_EVERY, LONG, ROOT, STARTED, TINY, kill_everything_started_by, python, run, run_parallel,
-                       torchrun)
+from processes import (
+    EVAL_EVERY,
+    LONG,
+    ROOT,
+    STARTED,
+    TINY,
+    kill_everything_started_by,
+    python,
+    run,
+    run_parallel,
+    torchrun,
+)
 
 sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
 
@@ -24,8 +35,12 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     """The tiny job trained once with 1 process and once with 2, for comparisons; validated mid-epoch too."""
     base = tmp_path_factory.mktemp("reference")
     exact = [*TINY, "--no-augment", *EVAL_EVERY]
-    run_parallel([(python("distributed.py", *exact, "--output-dir", base / "one"), {}),
-                  (torchrun(2, "distributed.py", *exact, "--output-dir", base / "two"), {})])
+    run_parallel(
+        [
+            (python("distributed.py", *exact, "--output-dir", base / "one"), {}),
+            (torchrun(2, "distributed.py", *exact, "--output-dir", base / "two"), {}),
+        ]
+    )
     return {"one": base / "one", "two": base / "two"}
 
 

@@ -3,6 +3,7 @@ hook that counts gradient all-reduces; rank 0 prints the counts as JSON.
 
     torchrun --nproc_per_node=2 tests/count_allreduce.py --accum-steps 4 ...
 """
+
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ def main():
     rank, local_rank, world_size, device = script.setup_distributed(args)
     train_set, val_set, num_classes = script.build_datasets(args)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
-    loader, val_loader = script.build_loaders(train_set, val_set, micro_batch, args, rank, world_size, device)
+    loader, val_loader = script.build_loaders(
+        train_set, val_set, micro_batch, args, rank, world_size, device
+    )
     model = DDP(script.build_model(args, num_classes))
     all_reduces, optimizer_steps = [], []
 
@@ -34,11 +37,31 @@ def main():
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
     scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
     records = utils.StepRecords(Path(args.output_dir), args, rank, len(loader) // args.accum_steps)
-    script.train_one_epoch(model, loader, val_loader, optimizer, scheduler, 0, 0, args, device, utils.StopSignal(),
-                           None, records, utils.EMA(model, args.ema))
+    script.train_one_epoch(
+        model,
+        loader,
+        val_loader,
+        optimizer,
+        scheduler,
+        0,
+        0,
+        args,
+        device,
+        utils.StopSignal(),
+        None,
+        records,
+        utils.EMA(model, args.ema),
+    )
     if rank == 0:
-        print(json.dumps({"micro_batches": len(loader), "all_reduces": len(all_reduces),
-                          "optimizer_steps": len(optimizer_steps)}))
+        print(
+            json.dumps(
+                {
+                    "micro_batches": len(loader),
+                    "all_reduces": len(all_reduces),
+                    "optimizer_steps": len(optimizer_steps),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

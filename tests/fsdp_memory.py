@@ -16,6 +16,7 @@ began with, the state the rank holds (metrics.jsonl's, rank 0's), the job's peak
 the same moment, summed), and the start-up line that says what each rank will hold. With --gpu, one process per
 GPU, and the GPU's peak (allocated, the largest of metrics.jsonl's peak_mem_mb) in a column of its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,9 +85,14 @@ def compute_loss(outputs, targets):
 '''
 
 CONFIGS = {"gpt2": {}, "gpt2-large": {"n_embd": 1280, "n_layer": 36, "n_head": 20}}
-APPROACHES = {"DDP": ("distributed.py", []), "FSDP": ("distributed_fsdp.py", []),
-              "FSDP + activation checkpointing": ("distributed_fsdp.py", ["--activation-checkpointing"])}
-ON_GPUS = {"FSDP + CPU offload": ("distributed_fsdp.py", ["--cpu-offload"])}  # on CPU processes it changes nothing
+APPROACHES = {
+    "DDP": ("distributed.py", []),
+    "FSDP": ("distributed_fsdp.py", []),
+    "FSDP + activation checkpointing": ("distributed_fsdp.py", ["--activation-checkpointing"]),
+}
+ON_GPUS = {
+    "FSDP + CPU offload": ("distributed_fsdp.py", ["--cpu-offload"])
+}  # on CPU processes it changes nothing
 PHASES = ["build", "shard", "start-up", "training", "validation", "save", "continuation"]
 
 
@@ -111,7 +117,9 @@ def peaks(found: list[tuple[float, str, float]]) -> dict[str, float]:
 def job_peak(ranks: list[list[tuple[float, str, float]]]) -> float:
     """The largest sum of every rank's latest note, GiB: the job's resident memory at one moment."""
     latest, highest = [0.0] * len(ranks), 0.0
-    for seconds, rank, gib in sorted((s, r, g) for r, found in enumerate(ranks) for s, _, g in found):
+    for seconds, rank, gib in sorted(
+        (s, r, g) for r, found in enumerate(ranks) for s, _, g in found
+    ):
         latest[rank] = gib
         highest = max(highest, sum(latest))
     return highest
@@ -121,6 +129,7 @@ def beyond_the_state(config: dict, batch_per_rank: int, tokens: int) -> None:
     """What a rank's training holds beside its shards, from the model's sizes: the activations one forward saves for
     backward (counted by autograd's hooks, weights left out), and the units that FSDP gathers whole."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     model = GPT2LMHeadModel(GPT2Config.from_dict(config))
     weights, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
 
@@ -128,64 +137,122 @@ def beyond_the_state(config: dict, batch_per_rank: int, tokens: int) -> None:
         if (storage := tensor.untyped_storage()).data_ptr() not in weights:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
+
     ids = torch.randint(0, model.config.vocab_size, (batch_per_rank, tokens))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # the forward and the loss
+    with torch.autograd.graph.saved_tensors_hooks(
+        pack, lambda tensor: tensor
+    ):  # the forward and the loss
         torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].transpose(1, 2), ids[:, 1:])
     mib = {name: p.numel() * p.element_size() / 2**20 for name, p in model.named_parameters()}
     block = sum(size for name, size in mib.items() if name.startswith("transformer.h.0."))
     root = sum(size for name, size in mib.items() if not name.startswith("transformer.h."))
-    print(f"beyond the state, each rank ({batch_per_rank} sequences of {tokens} tokens): activations saved for "
-          f"backward {sum(saved.values()) / 2**20:.0f} MiB; the root unit (embeddings, tied head, final norm) "
-          f"{root:.0f} MiB gathered and as much of unsharded gradient through backward; a block {block:.0f} MiB, "
-          f"gathered with the next one prefetched, and its gradient before the reduce-scatter")
+    print(
+        f"beyond the state, each rank ({batch_per_rank} sequences of {tokens} tokens): activations saved for "
+        f"backward {sum(saved.values()) / 2**20:.0f} MiB; the root unit (embeddings, tied head, final norm) "
+        f"{root:.0f} MiB gathered and as much of unsharded gradient through backward; a block {block:.0f} MiB, "
+        f"gathered with the next one prefetched, and its gradient before the reduce-scatter"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(CONFIGS), default="gpt2", help="the GPT-2 built from its config")
+    parser.add_argument(
+        "--model", choices=list(CONFIGS), default="gpt2", help="the GPT-2 built from its config"
+    )
     parser.add_argument("--only", default=None, help="this approach alone: DDP, FSDP, ...")
     parser.add_argument("--batch-size", type=int, default=4, help="global batch of sequences")
     parser.add_argument("--tokens", type=int, default=32, help="tokens a sequence")
-    parser.add_argument("--gpu", action="store_true", help="one process per GPU (not 2 CPU processes), + offload")
-    parser.add_argument("--beyond-the-state", action="store_true",
-                        help="only print what a rank's training holds beside its shards (no run)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="one process per GPU (not 2 CPU processes), + offload"
+    )
+    parser.add_argument(
+        "--beyond-the-state",
+        action="store_true",
+        help="only print what a rank's training holds beside its shards (no run)",
+    )
     args = parser.parse_args()
     config, nproc = json.dumps(CONFIGS[args.model]), torch.cuda.device_count() if args.gpu else 2
     if args.beyond_the_state:
         return beyond_the_state(CONFIGS[args.model], args.batch_size // nproc, args.tokens)
-    flags = ["--batch-size", str(args.batch_size), "--epochs", "2", "--workers", "0", "--optimizer", "adamw",
-             "--timeout", "600", "--print-freq", "1", "--steps-per-epoch", "2"]
+    flags = [
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        "2",
+        "--workers",
+        "0",
+        "--optimizer",
+        "adamw",
+        "--timeout",
+        "600",
+        "--print-freq",
+        "1",
+        "--steps-per-epoch",
+        "2",
+    ]
     where = f"{nproc} x {torch.cuda.get_device_name(0)}" if args.gpu else "2 CPU processes"
-    print(f"{args.model}, {where}, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps")
+    print(
+        f"{args.model}, {where}, AdamW, batch {args.batch_size} of {args.tokens} tokens, epochs of 2 steps"
+    )
     gpu = " GPU peak |" if args.gpu else ""
-    print("| approach | rank | " + " | ".join(PHASES) + f" | save adds | state held | job |{gpu} s/step |")
-    print("| --- | ---: | " + " | ".join(["---:"] * len(PHASES)) + " | ---: | ---: | ---: |"
-          + " ---: |" * (1 + args.gpu))
+    print(
+        "| approach | rank | "
+        + " | ".join(PHASES)
+        + f" | save adds | state held | job |{gpu} s/step |"
+    )
+    print(
+        "| --- | ---: | "
+        + " | ".join(["---:"] * len(PHASES))
+        + " | ---: | ---: | ---: |"
+        + " ---: |" * (1 + args.gpu)
+    )
     for name, (script, extra) in {**APPROACHES, **(ON_GPUS if args.gpu else {})}.items():
         if args.only and args.only != name:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             copy, said = copy_with_your_functions(script, Path(tmp) / "copy", MEASURED), set()
-            for second in ("1", "2"):  # the first run stops after its epoch; the same command continues
+            for second in (
+                "1",
+                "2",
+            ):  # the first run stops after its epoch; the same command continues
                 (Path(tmp) / "memory" / second).mkdir(parents=True)
                 stop = ["--stop-after", "1"] if second == "1" else []
                 threads = {} if args.gpu else {"OMP_NUM_THREADS": "1"}
                 # glibc's mmap threshold fixed at 1 MiB, as docs/fsdp.md advises for a run that memory limits
-                result = run(launch(copy, nproc, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
-                             timeout=3600, cwd=Path(tmp), env={"MEMORY": str(Path(tmp) / "memory" / second),
-                                                               "GPT2_CONFIG": config, "TOKENS": str(args.tokens),
-                                                               "MALLOC_MMAP_THRESHOLD_": str(2**20), **threads})
-                said.update(line for line in result.stdout.splitlines() if line.startswith("each rank will hold"))
+                result = run(
+                    launch(copy, nproc, *flags, *extra, *stop, "--output-dir", Path(tmp) / "out"),
+                    timeout=3600,
+                    cwd=Path(tmp),
+                    env={
+                        "MEMORY": str(Path(tmp) / "memory" / second),
+                        "GPT2_CONFIG": config,
+                        "TOKENS": str(args.tokens),
+                        "MALLOC_MMAP_THRESHOLD_": str(2**20),
+                        **threads,
+                    },
+                )
+                said.update(
+                    line
+                    for line in result.stdout.splitlines()
+                    if line.startswith("each rank will hold")
+                )
             m = metrics(Path(tmp) / "out")[0]
             state = (m["params_mb"] + m["grads_mb"] + m["optimizer_mb"]) / 1024
-            gpu_peak = f" {max(e['peak_mem_mb'] for e in metrics(Path(tmp) / 'out')) / 1024:.2f} |" if args.gpu else ""
+            gpu_peak = (
+                f" {max(e['peak_mem_mb'] for e in metrics(Path(tmp) / 'out')) / 1024:.2f} |"
+                if args.gpu
+                else ""
+            )
             found = [notes(Path(tmp) / "memory", rank) for rank in range(nproc)]
             for rank in range(nproc):
                 highest = peaks(found[rank])
                 cells = " | ".join(f"{highest[p]:.2f}" if p in highest else "-" for p in PHASES)
                 save = [gib for _, phase, gib in found[rank] if phase == "save"]
-                print(f"| {name} | {rank} | {cells} | {max(save) - save[0]:.2f} | {state:.2f} | "
-                      f"{job_peak(found):.2f} |{gpu_peak} {m['epoch_time_s'] / 2:.2f} |", flush=True)
+                print(
+                    f"| {name} | {rank} | {cells} | {max(save) - save[0]:.2f} | {state:.2f} | "
+                    f"{job_peak(found):.2f} |{gpu_peak} {m['epoch_time_s'] / 2:.2f} |",
+                    flush=True,
+                )
             if said:  # FSDP's start-up line: what each rank will hold
                 print(f"{name}: " + "; ".join(sorted(said)))
 

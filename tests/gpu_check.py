@@ -2,6 +2,7 @@
 activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a stall, a clean
 end), for a machine with a GPU. CI has none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
 it measured, one line per check, and exits non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import (EVAL_EVERY, TINY, max_weight_difference, metrics, python, run, steps,  # noqa: E402
-                       torchrun, weights)
+from processes import (
+    EVAL_EVERY,
+    TINY,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    steps,  # noqa: E402
+    torchrun,
+    weights,
+)
 
 failures = []
 
@@ -28,24 +38,46 @@ def check(name: str, ok: bool, detail: str) -> None:
         failures.append(name)
 
 
-EXACT = [*TINY, "--no-augment", *EVAL_EVERY]  # the tiny job, each run's weights comparable to the others'
+EXACT = [
+    *TINY,
+    "--no-augment",
+    *EVAL_EVERY,
+]  # the tiny job, each run's weights comparable to the others'
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Checks of the GPU paths: a line each, non-zero exit if one fails")
-    parser.add_argument("--only", action="append", choices=list(SECTIONS),
-                        help="this group of checks alone (repeatable; default all); the DDP reference runs anyway")
+    parser = argparse.ArgumentParser(
+        description="Checks of the GPU paths: a line each, non-zero exit if one fails"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(SECTIONS),
+        help="this group of checks alone (repeatable; default all); the DDP reference runs anyway",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "no GPU visible"
-    print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, PyTorch {torch.__version__}")
+    print(
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, PyTorch {torch.__version__}"
+    )
     tmp = Path(tempfile.mkdtemp())
     result = run(python("distributed.py", *EXACT, "--tensorboard", "--output-dir", tmp / "ddp"))
     m = metrics(tmp / "ddp")[-1]
-    check("distributed.py on cuda (nccl, world 1) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}")
-    warned = "barrier(): using the device" in result.stderr  # device_id given to init_process_group: no guess
+    check(
+        "distributed.py on cuda (nccl, world 1) learns",
+        m["val_acc"] > 0.6,
+        f"val_acc {m['val_acc']:.3f}",
+    )
+    warned = (
+        "barrier(): using the device" in result.stderr
+    )  # device_id given to init_process_group: no guess
     check("no barrier() device warning", not warned, "warned" if warned else "none printed")
     events = list((tmp / "ddp" / "tensorboard").glob("events.out.tfevents.*"))
-    check("--tensorboard on a GPU run wrote its event file", len(events) == 1, f"{len(events)} event files")
+    check(
+        "--tensorboard on a GPU run wrote its event file",
+        len(events) == 1,
+        f"{len(events)} event files",
+    )
     for name in args.only or SECTIONS:
         SECTIONS[name](tmp)
     print(f"{len(failures)} failed" if failures else "all GPU checks passed")
@@ -59,8 +91,22 @@ def launchers(tmp: Path) -> None:
     check("dataparallel.py on 1 GPU == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
     run(python("distributed_mp.py", *EXACT, "--output-dir", tmp / "mp"))
     d = max_weight_difference(tmp / "mp", tmp / "ddp")
-    check("distributed_mp.py (nccl, spawn) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
-    run(torchrun(1, "distributed_grad_accum.py", *EXACT, "--accum-steps", "4", "--output-dir", tmp / "acc"))
+    check(
+        "distributed_mp.py (nccl, spawn) == distributed.py",
+        d <= 1e-4,
+        f"max weight difference {d:.2e}",
+    )
+    run(
+        torchrun(
+            1,
+            "distributed_grad_accum.py",
+            *EXACT,
+            "--accum-steps",
+            "4",
+            "--output-dir",
+            tmp / "acc",
+        )
+    )
     d = max_weight_difference(tmp / "acc", tmp / "ddp")
     check("accumulation K=4 == one batch", d <= 1e-4, f"max weight difference {d:.2e}")
 
@@ -68,55 +114,149 @@ def launchers(tmp: Path) -> None:
 def mixed_precision(tmp: Path) -> None:
     """float16 with GradScaler and bfloat16 learn; an overflow is skipped; a continued run keeps the scaler."""
     for dtype in ("float16", "bfloat16"):
-        run(torchrun(1, "distributed_amp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", tmp / dtype))
+        run(
+            torchrun(
+                1, "distributed_amp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", tmp / dtype
+            )
+        )
         m = metrics(tmp / dtype)[-1]
-        check(f"AMP {dtype} on cuda learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
-              f"loss scale {m['loss_scale']}, skipped {m['skipped_steps']}")
-    scaled = [*EXACT, "--amp-dtype", "float16", "--init-scale", str(2.0 ** 40)]
+        check(
+            f"AMP {dtype} on cuda learns",
+            m["val_acc"] > 0.6,
+            f"val_acc {m['val_acc']:.3f}, "
+            f"loss scale {m['loss_scale']}, skipped {m['skipped_steps']}",
+        )
+    scaled = [*EXACT, "--amp-dtype", "float16", "--init-scale", str(2.0**40)]
     run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "straight"))
     run(python("distributed_amp.py", *scaled, "--stop-after", "1", "--output-dir", tmp / "resumed"))
     run(python("distributed_amp.py", *scaled, "--output-dir", tmp / "resumed"))
     first = metrics(tmp / "straight")[0]
     finite = all(torch.isfinite(w).all() for w in weights(tmp / "straight").values())
-    check("float16 overflow skipped, weights finite", first["skipped_steps"] > 0 and finite,
-          f"{first['skipped_steps']} skipped steps in epoch 1, scale now {first['loss_scale']}")
+    check(
+        "float16 overflow skipped, weights finite",
+        first["skipped_steps"] > 0 and finite,
+        f"{first['skipped_steps']} skipped steps in epoch 1, scale now {first['loss_scale']}",
+    )
     d = max_weight_difference(tmp / "straight", tmp / "resumed")
-    same_scale = metrics(tmp / "straight")[-1]["loss_scale"] == metrics(tmp / "resumed")[-1]["loss_scale"]
-    check("float16 continued run == uninterrupted (scaler state too)", d <= 1e-4 and same_scale,
-          f"max weight difference {d:.2e}, same loss scale {same_scale}")
+    same_scale = (
+        metrics(tmp / "straight")[-1]["loss_scale"] == metrics(tmp / "resumed")[-1]["loss_scale"]
+    )
+    check(
+        "float16 continued run == uninterrupted (scaler state too)",
+        d <= 1e-4 and same_scale,
+        f"max weight difference {d:.2e}, same loss scale {same_scale}",
+    )
 
 
 def fully_sharded(tmp: Path) -> None:
     """FSDP over nccl trains what DDP trains, in float32, bfloat16, and with offload and recomputation."""
     run(torchrun(1, "distributed_fsdp.py", *EXACT, "--output-dir", tmp / "fsdp"))
     d = max_weight_difference(tmp / "fsdp", tmp / "ddp")
-    check("distributed_fsdp.py (nccl, fp32) == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    check(
+        "distributed_fsdp.py (nccl, fp32) == distributed.py",
+        d <= 1e-4,
+        f"max weight difference {d:.2e}",
+    )
     fsdp, ddp = steps(tmp / "fsdp"), steps(tmp / "ddp")
-    d = max(abs(a[k] - b[k]) for a, b in zip(fsdp, ddp) for k in ("train_loss", "val_loss", "grad_norm") if k in a)
+    d = max(
+        abs(a[k] - b[k])
+        for a, b in zip(fsdp, ddp)
+        for k in ("train_loss", "val_loss", "grad_norm")
+        if k in a
+    )
     same = [r["global_step"] for r in fsdp] == [r["global_step"] for r in ddp]
-    check("FSDP's records (losses, the norm over nccl shards) == DDP's", same and d <= 1e-4, f"max difference {d:.2e}")
-    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--clip-grad", "1", "--output-dir", tmp / "fsdp-clipped"))
-    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--amp-dtype", "bfloat16", "--output-dir", tmp / "fsdp-bf16"))
+    check(
+        "FSDP's records (losses, the norm over nccl shards) == DDP's",
+        same and d <= 1e-4,
+        f"max difference {d:.2e}",
+    )
+    run(
+        torchrun(
+            1,
+            "distributed_fsdp.py",
+            *EXACT,
+            "--clip-grad",
+            "1",
+            "--output-dir",
+            tmp / "fsdp-clipped",
+        )
+    )
+    run(
+        torchrun(
+            1,
+            "distributed_fsdp.py",
+            *EXACT,
+            "--amp-dtype",
+            "bfloat16",
+            "--output-dir",
+            tmp / "fsdp-bf16",
+        )
+    )
     m = metrics(tmp / "fsdp-bf16")[-1]
-    check("FSDP bfloat16 (MixedPrecisionPolicy) learns", m["val_acc"] > 0.6, f"val_acc {m['val_acc']:.3f}, "
-          f"model state {m['params_mb'] + m['grads_mb'] + m['optimizer_mb']:.2f} MB per rank")
+    check(
+        "FSDP bfloat16 (MixedPrecisionPolicy) learns",
+        m["val_acc"] > 0.6,
+        f"val_acc {m['val_acc']:.3f}, "
+        f"model state {m['params_mb'] + m['grads_mb'] + m['optimizer_mb']:.2f} MB per rank",
+    )
     # offloaded state (the gradient norm's all-reduce on the CPU group beside nccl) and recomputed activations
-    run(torchrun(1, "distributed_fsdp.py", *EXACT, "--cpu-offload", "--activation-checkpointing", "--clip-grad", "1",
-                 "--output-dir", tmp / "fsdp-offload"))
+    run(
+        torchrun(
+            1,
+            "distributed_fsdp.py",
+            *EXACT,
+            "--cpu-offload",
+            "--activation-checkpointing",
+            "--clip-grad",
+            "1",
+            "--output-dir",
+            tmp / "fsdp-offload",
+        )
+    )
     d = max_weight_difference(tmp / "fsdp-offload", tmp / "fsdp-clipped")
-    check("FSDP --cpu-offload --activation-checkpointing --clip-grad == FSDP --clip-grad", d <= 1e-4,
-          f"max weight difference {d:.2e}")
+    check(
+        "FSDP --cpu-offload --activation-checkpointing --clip-grad == FSDP --clip-grad",
+        d <= 1e-4,
+        f"max weight difference {d:.2e}",
+    )
 
 
 def resnet(tmp: Path) -> None:
     """SyncBatchNorm, channels_last and torch.compile on a ResNet-18."""
-    resnet = ["--dataset", "fake", "--arch", "resnet18", "--fake-size", "2048", "--batch-size", "128",
-              "--epochs", "2", "--workers", "2"]
+    resnet = [
+        "--dataset",
+        "fake",
+        "--arch",
+        "resnet18",
+        "--fake-size",
+        "2048",
+        "--batch-size",
+        "128",
+        "--epochs",
+        "2",
+        "--workers",
+        "2",
+    ]
     run(torchrun(1, "distributed.py", *resnet, "--sync-bn", "--output-dir", tmp / "syncbn"))
     m = metrics(tmp / "syncbn")[-1]
-    check("resnet18 with --sync-bn trains", math.isfinite(m["train_loss"]), f"train_loss {m['train_loss']:.3f}")
-    run(torchrun(1, "distributed_amp.py", *resnet, "--amp-dtype", "bfloat16", "--channels-last",
-                 "--compile", "--output-dir", tmp / "compiled"))
+    check(
+        "resnet18 with --sync-bn trains",
+        math.isfinite(m["train_loss"]),
+        f"train_loss {m['train_loss']:.3f}",
+    )
+    run(
+        torchrun(
+            1,
+            "distributed_amp.py",
+            *resnet,
+            "--amp-dtype",
+            "bfloat16",
+            "--channels-last",
+            "--compile",
+            "--output-dir",
+            tmp / "compiled",
+        )
+    )
     keys = list(weights(tmp / "compiled"))
     clean = not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
     check("channels_last + compile checkpoint has plain keys", clean, f"first key {keys[0]}")
@@ -128,33 +268,75 @@ def cuda_graphs(tmp: Path) -> None:
     run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs"), timeout=900)
     keys = list(weights(tmp / "graphs"))
     d = max_weight_difference(tmp / "graphs", tmp / "ddp")
-    check("CUDA graphs (reduce-overhead) == eager, plain keys", d <= 1e-4 and not keys[0].startswith("_orig_mod."),
-          f"max weight difference {d:.2e}, first key {keys[0]}")
-    run(python("distributed.py", *graphs, "--stop-after", "1", "--output-dir", tmp / "graphs-resumed"), timeout=900)
+    check(
+        "CUDA graphs (reduce-overhead) == eager, plain keys",
+        d <= 1e-4 and not keys[0].startswith("_orig_mod."),
+        f"max weight difference {d:.2e}, first key {keys[0]}",
+    )
+    run(
+        python(
+            "distributed.py", *graphs, "--stop-after", "1", "--output-dir", tmp / "graphs-resumed"
+        ),
+        timeout=900,
+    )
     run(python("distributed.py", *graphs, "--output-dir", tmp / "graphs-resumed"), timeout=900)
     d = max_weight_difference(tmp / "graphs-resumed", tmp / "graphs")
-    check("CUDA graphs: continued run == uninterrupted", d <= 1e-6, f"max weight difference {d:.2e}")
+    check(
+        "CUDA graphs: continued run == uninterrupted", d <= 1e-6, f"max weight difference {d:.2e}"
+    )
 
 
 def your_task_on_the_gpu(tmp: Path) -> None:
     """A user's task: labels outside the classes end in one line before any CUDA kernel could assert; a
     regression learns with float16 and GradScaler; a run whose float16 loss turns NaN stops with one line."""
-    from test_your_own_data import COMMON, YOUR_CLASSIFICATION, YOUR_REGRESSION, copy_with_your_functions
+    from test_your_own_data import (
+        COMMON,
+        YOUR_CLASSIFICATION,
+        YOUR_REGRESSION,
+        copy_with_your_functions,
+    )
+
     bad = YOUR_CLASSIFICATION.replace("Blobs(203, seed=2), 4", "Blobs(203, seed=2), 3")
     copy = copy_with_your_functions("distributed.py", tmp / "labels", bad)
-    result = run(python(copy, *COMMON, "--output-dir", tmp / "labels-out"), check=False, cwd=tmp / "labels")
+    result = run(
+        python(copy, *COMMON, "--output-dir", tmp / "labels-out"), check=False, cwd=tmp / "labels"
+    )
     last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
-    check("labels outside the classes: one line, no device-side assert", last.startswith("error: class labels")
-          and "device-side assert" not in result.stderr, last)
+    check(
+        "labels outside the classes: one line, no device-side assert",
+        last.startswith("error: class labels") and "device-side assert" not in result.stderr,
+        last,
+    )
     copy = copy_with_your_functions("distributed_amp.py", tmp / "regression", YOUR_REGRESSION)
-    run(python(copy, *COMMON, "--amp-dtype", "float16", "--output-dir", tmp / "regression-out"), cwd=tmp / "regression")
+    run(
+        python(copy, *COMMON, "--amp-dtype", "float16", "--output-dir", tmp / "regression-out"),
+        cwd=tmp / "regression",
+    )
     losses = [m["val_loss"] for m in metrics(tmp / "regression-out")]
-    check("a regression learns with float16 + GradScaler", losses[-1] < losses[0] / 5, f"val_loss {losses}")
-    result = run(python("distributed_amp.py", *TINY, "--amp-dtype", "float16", "--lr", "1e6",
-                        "--output-dir", tmp / "diverged"), check=False)
+    check(
+        "a regression learns with float16 + GradScaler",
+        losses[-1] < losses[0] / 5,
+        f"val_loss {losses}",
+    )
+    result = run(
+        python(
+            "distributed_amp.py",
+            *TINY,
+            "--amp-dtype",
+            "float16",
+            "--lr",
+            "1e6",
+            "--output-dir",
+            tmp / "diverged",
+        ),
+        check=False,
+    )
     last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
-    check("a diverging float16 run stops with one line", result.returncode != 0
-          and last.startswith("error: training diverged"), last)
+    check(
+        "a diverging float16 run stops with one line",
+        result.returncode != 0 and last.startswith("error: training diverged"),
+        last,
+    )
 
 
 def a_stream_on_the_gpu(tmp: Path) -> None:
@@ -162,16 +344,28 @@ def a_stream_on_the_gpu(tmp: Path) -> None:
     go over a gloo group beside nccl, and FSDP, whose validation agrees over nccl while any rank has a batch, train
     alike, stop each epoch where the stream ends and count each validation sample once."""
     from test_streams import command
-    outs = {script: tmp / f"stream-{script}" for script in ("distributed.py", "distributed_fsdp.py")}
+
+    outs = {
+        script: tmp / f"stream-{script}" for script in ("distributed.py", "distributed_fsdp.py")
+    }
     for script, out in outs.items():
         run(command(script, tmp, out.name, 1, "--workers", "2"), cwd=tmp)
-    ends = {r["step"] for r in steps(outs["distributed.py"]) if r["epoch"] == 1 and "train_loss" in r}
+    ends = {
+        r["step"] for r in steps(outs["distributed.py"]) if r["epoch"] == 1 and "train_loss" in r
+    }
     counted = {r["val_images"] for out in outs.values() for r in steps(out) if "val_images" in r}
     acc = metrics(outs["distributed.py"])[-1]["val_acc"]
-    check("a stream trains on cuda, its epoch cut where it ends", max(ends) == 20 and counted == {203} and acc > 0.9,
-          f"last step of epoch 1: {max(ends)}, validation samples {counted}, val_acc {acc:.3f}")
+    check(
+        "a stream trains on cuda, its epoch cut where it ends",
+        max(ends) == 20 and counted == {203} and acc > 0.9,
+        f"last step of epoch 1: {max(ends)}, validation samples {counted}, val_acc {acc:.3f}",
+    )
     d = max_weight_difference(*outs.values())
-    check("a stream: distributed_fsdp.py == distributed.py", d <= 1e-4, f"max weight difference {d:.2e}")
+    check(
+        "a stream: distributed_fsdp.py == distributed.py",
+        d <= 1e-4,
+        f"max weight difference {d:.2e}",
+    )
 
 
 def a_stall_on_the_gpu(tmp: Path) -> None:
@@ -179,28 +373,60 @@ def a_stall_on_the_gpu(tmp: Path) -> None:
     saying where; its stalls/ folder holds the Flight Recorder's trace, which PyTorch's analyzer reads."""
     from test_stalls import BOUND, TIMEOUT, user_code
     from test_your_own_data import COMMON, copy_with_your_functions
-    copy = copy_with_your_functions("distributed.py", tmp / "stall", user_code("compute_loss").replace('== "1"',
-                                                                                                       '== "0"'))
+
+    copy = copy_with_your_functions(
+        "distributed.py", tmp / "stall", user_code("compute_loss").replace('== "1"', '== "0"')
+    )
     out, stalled_at = tmp / "stall-out", tmp / "stalled_at"
-    result = run(torchrun(1, copy, *COMMON, "--timeout", str(TIMEOUT), "--output-dir", out), check=False,
-                 env={"STALL_FILE": str(stalled_at), "STALL_SECONDS": "3600"}, timeout=300)
+    result = run(
+        torchrun(1, copy, *COMMON, "--timeout", str(TIMEOUT), "--output-dir", out),
+        check=False,
+        env={"STALL_FILE": str(stalled_at), "STALL_SECONDS": "3600"},
+        timeout=300,
+    )
     since = time.time() - float(stalled_at.read_text()) if stalled_at.exists() else math.inf
     line = next((text for text in result.stderr.splitlines() if text.startswith("error:")), "")
-    named = re.match(r"error: rank 0 made no progress for \d+ s at step 3 of epoch 1, in compute_loss \(distributed"
-                     r"\.py:\d+\); every rank's stacks in ", line)
-    check("a stalled rank on nccl ends with its line", bool(named) and since <= TIMEOUT + BOUND + 5,
-          f"{since:.0f} s after the stall: {line}")
-    trace = run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out / "stalls", "--prefix",
-                 "nccl_trace_rank_", "-j"], check=False)
+    named = re.match(
+        r"error: rank 0 made no progress for \d+ s at step 3 of epoch 1, in compute_loss \(distributed"
+        r"\.py:\d+\); every rank's stacks in ",
+        line,
+    )
+    check(
+        "a stalled rank on nccl ends with its line",
+        bool(named) and since <= TIMEOUT + BOUND + 5,
+        f"{since:.0f} s after the stall: {line}",
+    )
+    trace = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.flight_recorder.fr_trace",
+            out / "stalls",
+            "--prefix",
+            "nccl_trace_rank_",
+            "-j",
+        ],
+        check=False,
+    )
     listed = trace.stdout + trace.stderr  # it prints where its version does
     entries = re.findall(r"^\w+\(input_sizes=", listed, re.M)  # a line per collective it recorded
-    check("its Flight Recorder trace reads in fr_trace", trace.returncode == 0 and len(entries) > 0,
-          f"exit {trace.returncode}, {len(entries)} collectives listed, the last: {listed.strip().splitlines()[-1]}")
+    check(
+        "its Flight Recorder trace reads in fr_trace",
+        trace.returncode == 0 and len(entries) > 0,
+        f"exit {trace.returncode}, {len(entries)} collectives listed, the last: {listed.strip().splitlines()[-1]}",
+    )
 
 
-SECTIONS = {"task": your_task_on_the_gpu, "stall": a_stall_on_the_gpu, "stream": a_stream_on_the_gpu,
-            "launchers": launchers,
-            "amp": mixed_precision, "fsdp": fully_sharded, "resnet": resnet, "graphs": cuda_graphs}
+SECTIONS = {
+    "task": your_task_on_the_gpu,
+    "stall": a_stall_on_the_gpu,
+    "stream": a_stream_on_the_gpu,
+    "launchers": launchers,
+    "amp": mixed_precision,
+    "fsdp": fully_sharded,
+    "resnet": resnet,
+    "graphs": cuda_graphs,
+}
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ table (images/s, MB each process sends a step, validation accuracy after the sam
 
     python tests/network_benchmark.py --chart docs/network.svg
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,19 +19,70 @@ from pathlib import Path
 import torch
 
 from benchmark import Case, chart, hardware
-from processes import ROOT, can_make_hosts, free_port, metrics, on_host, run_parallel, steps, two_hosts
+from processes import (
+    ROOT,
+    can_make_hosts,
+    free_port,
+    metrics,
+    on_host,
+    run_parallel,
+    steps,
+    two_hosts,
+)
 
-JOB = ["--dataset", "fake", "--fake-size", "1024", "--image-size", "16", "--arch", "resnet18", "--batch-size", "64",
-       "--ema", "0.9", "--workers", "0", "--print-freq", "4", "--timeout", "600"]
-CASES = [("DDP float32", "distributed.py", []), ("DDP --comm-hook bf16", "distributed.py", ["--comm-hook", "bf16"]),
-         ("DiLoCo H=8", "distributed_diloco.py", ["--inner-steps", "8", "--outer-momentum", "0.5"]),
-         ("DiLoCo H=32", "distributed_diloco.py", ["--inner-steps", "32", "--outer-momentum", "0.5"])]
+JOB = [
+    "--dataset",
+    "fake",
+    "--fake-size",
+    "1024",
+    "--image-size",
+    "16",
+    "--arch",
+    "resnet18",
+    "--batch-size",
+    "64",
+    "--ema",
+    "0.9",
+    "--workers",
+    "0",
+    "--print-freq",
+    "4",
+    "--timeout",
+    "600",
+]
+CASES = [
+    ("DDP float32", "distributed.py", []),
+    ("DDP --comm-hook bf16", "distributed.py", ["--comm-hook", "bf16"]),
+    ("DiLoCo H=8", "distributed_diloco.py", ["--inner-steps", "8", "--outer-momentum", "0.5"]),
+    ("DiLoCo H=32", "distributed_diloco.py", ["--inner-steps", "32", "--outer-momentum", "0.5"]),
+]
 
 
 def limit(hosts, rate: str) -> None:
     for namespace, _, interface in hosts:  # both directions
-        subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", interface, "root", "tbf",
-                        "rate", rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                interface,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            ],
+            check=True,
+            capture_output=True,
+        )
 
 
 def sent_mb_per_step(out: Path, script: str, flags: list[str]) -> float:
@@ -39,45 +91,90 @@ def sent_mb_per_step(out: Path, script: str, flags: list[str]) -> float:
     if script == "distributed_diloco.py":
         return statistics.mean(r["sent_mb_per_step"] for r in steps(out) if "sent_mb_per_step" in r)
     weights = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
-    params = sum(t.numel() * t.element_size() for name, t in weights.items() if t.is_floating_point()
-                 and "running" not in name)
+    params = sum(
+        t.numel() * t.element_size()
+        for name, t in weights.items()
+        if t.is_floating_point() and "running" not in name
+    )
     return params / 1e6 / (2 if "bf16" in flags else 1)
 
 
 def run_case(hosts, script: str, flags: list[str], epochs: int, out: Path) -> dict:
     port, master = free_port(), hosts[0][1]
-    run_parallel([on_host(host, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={i}", "--nproc_per_node=1",
-                          f"--master_addr={master}", f"--master_port={port}", script, *JOB, "--epochs", str(epochs),
-                          *flags, "--output-dir", out) for i, host in enumerate(hosts)], timeout=1800, cwd=ROOT)
+    run_parallel(
+        [
+            on_host(
+                host,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={i}",
+                "--nproc_per_node=1",
+                f"--master_addr={master}",
+                f"--master_port={port}",
+                script,
+                *JOB,
+                "--epochs",
+                str(epochs),
+                *flags,
+                "--output-dir",
+                out,
+            )
+            for i, host in enumerate(hosts)
+        ],
+        timeout=1800,
+        cwd=ROOT,
+    )
     epochs_run = metrics(out)
-    return dict(images_per_s=statistics.median(m["images_per_s"] for m in epochs_run[1:]),
-                seconds=statistics.median(m["epoch_time_s"] for m in epochs_run[1:]),
-                sent=sent_mb_per_step(out, script, flags), val_acc=epochs_run[-1]["val_acc"])
+    return dict(
+        images_per_s=statistics.median(m["images_per_s"] for m in epochs_run[1:]),
+        seconds=statistics.median(m["epoch_time_s"] for m in epochs_run[1:]),
+        sent=sent_mb_per_step(out, script, flags),
+        val_acc=epochs_run[-1]["val_acc"],
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="link rates, as tc writes them")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs of 16 steps; the first is warm-up")
-    parser.add_argument("--chart", type=Path, help="also write images/s of each case and rate as an SVG")
+    parser.add_argument(
+        "--rates", nargs="+", default=["1gbit", "100mbit"], help="link rates, as tc writes them"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs of 16 steps; the first is warm-up"
+    )
+    parser.add_argument(
+        "--chart", type=Path, help="also write images/s of each case and rate as an SVG"
+    )
     args = parser.parse_args()
     if not can_make_hosts():
-        sys.exit("skipped: two hosts need network namespaces, which need root and iproute2 (ip, tc)")
+        sys.exit(
+            "skipped: two hosts need network namespaces, which need root and iproute2 (ip, tc)"
+        )
     rows = []
     with two_hosts() as hosts, tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
             limit(hosts, rate)
             for name, script, flags in CASES:
-                result = run_case(hosts, script, flags, args.epochs, Path(tmp) / f"{rate}-{len(rows)}")
+                result = run_case(
+                    hosts, script, flags, args.epochs, Path(tmp) / f"{rate}-{len(rows)}"
+                )
                 rows.append((Case(f"{name}, {rate}", script, 2, flags), result))
                 print(json.dumps({"case": rows[-1][0].name, **result}), flush=True)
-    print(f"\n2 hosts x 1 process over a veth pair limited by tc tbf; the README's main job (ResNet-18, batch 64, "
-          f"{args.epochs} epochs of 16 steps, the first warm-up)\n")
-    print("| case | images/s | s/epoch | MB sent a step, each process | val acc after the same samples |")
+    print(
+        f"\n2 hosts x 1 process over a veth pair limited by tc tbf; the README's main job (ResNet-18, batch 64, "
+        f"{args.epochs} epochs of 16 steps, the first warm-up)\n"
+    )
+    print(
+        "| case | images/s | s/epoch | MB sent a step, each process | val acc after the same samples |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for case, r in rows:
-        print(f"| {case.name} | {r['images_per_s']:.0f} | {r['seconds']:.1f} | {r['sent']:.1f} | {r['val_acc']:.3f} |")
-    print(f"\nHardware: {hardware()}.\nCommand: python tests/network_benchmark.py {' '.join(sys.argv[1:])}")
+        print(
+            f"| {case.name} | {r['images_per_s']:.0f} | {r['seconds']:.1f} | {r['sent']:.1f} | {r['val_acc']:.3f} |"
+        )
+    print(
+        f"\nHardware: {hardware()}.\nCommand: python tests/network_benchmark.py {' '.join(sys.argv[1:])}"
+    )
     if args.chart:
         args.chart.write_text(chart(rows, "Two hosts over a rate-limited link: images/s"))
 

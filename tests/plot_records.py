@@ -3,6 +3,7 @@ optimizer step. No plotting package needed; TensorBoard shows the same curves li
 
     python tests/plot_records.py output/steps.jsonl --out docs/curves.svg --title "what ran"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,31 +12,51 @@ import math
 from html import escape
 from pathlib import Path
 
-WIDTH, PANEL, LEFT, TOP = 720, 220, 70, 40  # pixels: the picture, one panel's height, the axis margins
+WIDTH, PANEL, LEFT, TOP = (
+    720,
+    220,
+    70,
+    40,
+)  # pixels: the picture, one panel's height, the axis margins
 SERIES = {"train_loss": "#1f77b4", "val_loss": "#d62728", "val_acc": "#2ca02c"}
 
 
 def read(path: Path) -> dict[str, list[tuple[int, float]]]:
     """Each series' (global step, value) points, from the records that carry it."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {key: [(r["global_step"], r[key]) for r in records if r.get(key) is not None] for key in SERIES}
+    return {
+        key: [(r["global_step"], r[key]) for r in records if r.get(key) is not None]
+        for key in SERIES
+    }
 
 
-def panel(points: dict[str, list[tuple[int, float]]], top: int, last_step: int, log_scale: bool, label: str) -> list:
+def panel(
+    points: dict[str, list[tuple[int, float]]],
+    top: int,
+    last_step: int,
+    log_scale: bool,
+    label: str,
+) -> list:
     """One panel's axes, grid lines and polylines, as SVG elements."""
     values = [v for series in points.values() for _, v in series]
     scale = (lambda v: math.log10(v)) if log_scale else (lambda v: v)  # noqa: E731
-    low, high = (math.floor(scale(min(values))), math.ceil(scale(max(values)))) if log_scale else (0.0, 1.0)
+    low, high = (
+        (math.floor(scale(min(values))), math.ceil(scale(max(values)))) if log_scale else (0.0, 1.0)
+    )
     x = lambda step: LEFT + (WIDTH - LEFT - 20) * step / last_step  # noqa: E731
     y = lambda v: top + PANEL - PANEL * (scale(v) - low) / (high - low or 1)  # noqa: E731
-    ticks = [10.0 ** e for e in range(low, high + 1)] if log_scale else [0.0, 0.25, 0.5, 0.75, 1.0]
+    ticks = [10.0**e for e in range(low, high + 1)] if log_scale else [0.0, 0.25, 0.5, 0.75, 1.0]
     out = [f'<text x="{LEFT}" y="{top - 8}" font-size="13">{escape(label)}</text>']
     for tick in ticks:
-        out.append(f'<line x1="{LEFT}" x2="{WIDTH - 20}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#ddd"/>'
-                   f'<text x="{LEFT - 6}" y="{y(tick) + 4:.1f}" font-size="11" text-anchor="end">{tick:g}</text>')
+        out.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - 20}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#ddd"/>'
+            f'<text x="{LEFT - 6}" y="{y(tick) + 4:.1f}" font-size="11" text-anchor="end">{tick:g}</text>'
+        )
     for key, series in points.items():
         line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in series)
-        out.append(f'<polyline points="{line}" fill="none" stroke="{SERIES[key]}" stroke-width="2"/>')
+        out.append(
+            f'<polyline points="{line}" fill="none" stroke="{SERIES[key]}" stroke-width="2"/>'
+        )
     return out
 
 
@@ -45,14 +66,27 @@ def svg(points: dict[str, list[tuple[int, float]]], title: str) -> str:
     height = TOP + 2 * PANEL + 110
     body = panel(losses, TOP + 20, last_step, True, "loss per item (log scale)")
     if points["val_acc"]:
-        body += panel({"val_acc": points["val_acc"]}, TOP + PANEL + 70, last_step, False, "validation accuracy")
-    legend = [f'<text x="{WIDTH - 20 - 130 * (len(SERIES) - i)}" y="{height - 12}" font-size="12" '
-              f'fill="{colour}">&#9644; {key}</text>' for i, (key, colour) in enumerate(SERIES.items())]
-    axis = (f'<text x="{LEFT}" y="{height - 12}" font-size="12">optimizer step (global_step), 0 to {last_step}'
-            f'</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif">'
-            f'<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="20" font-size="14">'
-            f'{escape(title)}</text>' + "".join(body + legend) + axis + "</svg>\n")
+        body += panel(
+            {"val_acc": points["val_acc"]},
+            TOP + PANEL + 70,
+            last_step,
+            False,
+            "validation accuracy",
+        )
+    legend = [
+        f'<text x="{WIDTH - 20 - 130 * (len(SERIES) - i)}" y="{height - 12}" font-size="12" '
+        f'fill="{colour}">&#9644; {key}</text>'
+        for i, (key, colour) in enumerate(SERIES.items())
+    ]
+    axis = (
+        f'<text x="{LEFT}" y="{height - 12}" font-size="12">optimizer step (global_step), 0 to {last_step}'
+        f"</text>"
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif">'
+        f'<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="20" font-size="14">'
+        f"{escape(title)}</text>" + "".join(body + legend) + axis + "</svg>\n"
+    )
 
 
 def main() -> None:

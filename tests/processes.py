@@ -2,6 +2,7 @@
 the benchmark. Every run has a timeout, and whatever it started is killed
 afterwards: torchrun puts its workers in sessions of their own, so they are
 found by a marker in their environment, not by process group."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,12 +31,34 @@ class RunFailed(AssertionError):
 
 # a tiny, fast, exactly reproducible job; its 1035 // 5 = 207 validation images
 # do not split evenly over 2 processes; with a moving average of the weights, which every equality checks too
-TINY = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "1035", "--image-size", "16",
-        "--batch-size", "32", "--epochs", "3", "--workers", "0",
-        "--print-freq", "10", "--timeout", "60", "--ema", "0.9"]
+TINY = [
+    "--dataset",
+    "fake",
+    "--arch",
+    "tiny",
+    "--fake-size",
+    "1035",
+    "--image-size",
+    "16",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "3",
+    "--workers",
+    "0",
+    "--print-freq",
+    "10",
+    "--timeout",
+    "60",
+    "--ema",
+    "0.9",
+]
 # with augmentation and the default recipe; epochs of about 2 s on 2 cores, to stop or kill in the middle of one
 LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "50"]
-EVAL_EVERY = ["--eval-every", "12"]  # and validated mid-epoch: at steps 12 and 24 of each epoch's 32
+EVAL_EVERY = [
+    "--eval-every",
+    "12",
+]  # and validated mid-epoch: at steps 12 and 24 of each epoch's 32
 MARKER = "DDP_SCRIPTS_TEST_RUN"
 # W&B without a network: each run of a command with --wandb writes OUTPUT_DIR/wandb/offline-run-*/, every 15 s
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -70,14 +93,23 @@ def kill_everything_started_by(marker: str) -> None:
 STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
 
 
-def start(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
+def start(
+    cmd: list[str], env: dict | None = None, cwd: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
     """Start cmd (in the repository root unless told); returns the process and its kill marker."""
     marker = uuid.uuid4().hex
     STARTED.append(marker)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     return proc, marker
 
 
@@ -94,21 +126,28 @@ def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.Co
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run(cmd: list, timeout: float = 180, env: dict | None = None, check: bool = True,
-        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run(
+    cmd: list, timeout: float = 180, env: dict | None = None, check: bool = True, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     result = finish(*start(cmd, env, cwd), timeout)
     if check and result.returncode != 0:
-        raise RunFailed(f"{' '.join(result.args)} exited {result.returncode}\n"
-                    f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+        raise RunFailed(
+            f"{' '.join(result.args)} exited {result.returncode}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
     return result
 
 
-def run_parallel(cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT, check: bool = True,
-                 at_once: int = 0) -> list[subprocess.CompletedProcess]:
+def run_parallel(
+    cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT, check: bool = True, at_once: int = 0
+) -> list[subprocess.CompletedProcess]:
     """Start several commands (each with its environment, and its own folder where a third item names one) at once,
     or at_once of them at a time (memory: each run's processes and workers hold a few hundred MB): the nodes of one
     job, or independent runs that share the cores better than in turn; wait for all."""
-    results, waves = [], [cmds[i:i + at_once] for i in range(0, len(cmds), at_once)] if at_once else [cmds]
+    results, waves = (
+        [],
+        [cmds[i : i + at_once] for i in range(0, len(cmds), at_once)] if at_once else [cmds],
+    )
     for wave in waves:
         started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in wave]
         results += [finish(proc, marker, timeout) for proc, marker in started]
@@ -123,8 +162,15 @@ def python(script: str, *args) -> list:
 
 
 def torchrun(nproc: int, script: str, *args) -> list:
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script, *args]
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        *args,
+    ]
 
 
 def free_port() -> int:
@@ -146,8 +192,12 @@ def max_weight_difference(dir_a: Path, dir_b: Path) -> float:
     """Of the trained weights, and of their --ema average (model_ema.pt) where either run kept one."""
     pairs = [(weights(dir_a), weights(dir_b))]
     if any((Path(d) / "model_ema.pt").exists() for d in (dir_a, dir_b)):  # then both must have it
-        pairs.append(tuple(torch.load(Path(d) / "model_ema.pt", map_location="cpu", weights_only=True)
-                           for d in (dir_a, dir_b)))
+        pairs.append(
+            tuple(
+                torch.load(Path(d) / "model_ema.pt", map_location="cpu", weights_only=True)
+                for d in (dir_a, dir_b)
+            )
+        )
     assert all(a.keys() == b.keys() for a, b in pairs)
     return max((a[k].double() - b[k].double()).abs().max().item() for a, b in pairs for k in a)
 
@@ -162,11 +212,22 @@ def steps(output_dir: Path) -> list[dict]:
     return metrics(output_dir, "steps.jsonl")
 
 
-MEASURED = {"epoch_time_s", "images_per_s", "items_per_s", "data_wait_s", "data_wait_max_s", "data_wait_rank",
-            "peak_mem_mb", "tflops"}  # vary per run
+MEASURED = {
+    "epoch_time_s",
+    "images_per_s",
+    "items_per_s",
+    "data_wait_s",
+    "data_wait_max_s",
+    "data_wait_rank",
+    "peak_mem_mb",
+    "tflops",
+}  # vary per run
 
 
-OWN = {"sent_mb_per_step", "val_weights_step"}  # keys of DiLoCo's records alone: what it sent, what it validated
+OWN = {
+    "sent_mb_per_step",
+    "val_weights_step",
+}  # keys of DiLoCo's records alone: what it sent, what it validated
 
 
 def assert_same_records(records: list[dict], expected: list[dict], tolerance: float) -> None:
@@ -184,8 +245,13 @@ def ends_every_rank_with(result: subprocess.CompletedProcess, line: str, ranks: 
     traceback from the script (torchrun then prints its own about a failed worker)."""
     starts = [text for text in result.stderr.splitlines() if text.startswith(line)]
     # as often as line occurs at all: none ran into the end of another line
-    assert result.returncode != 0 and len(starts) == result.stderr.count(line) == ranks, result.stderr
-    assert 'distributed.py", line' not in result.stderr and 'distributed_fsdp.py", line' not in result.stderr
+    assert result.returncode != 0 and len(starts) == result.stderr.count(line) == ranks, (
+        result.stderr
+    )
+    assert (
+        'distributed.py", line' not in result.stderr
+        and 'distributed_fsdp.py", line' not in result.stderr
+    )
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -216,16 +282,22 @@ def wandb_records(path: Path) -> list:
     3 middle, 4 last); a block's last 6 bytes or fewer are padding. A file cut short by a kill ends at its last whole
     record."""
     from wandb.proto.wandb_internal_pb2 import Record
+
     data, position, chunks, records = path.read_bytes(), 7, b"", []
-    assert data[:4] == b":W&B" or not data, data[:7]  # empty: killed before W&B's service wrote anything
+    assert data[:4] == b":W&B" or not data, data[
+        :7
+    ]  # empty: killed before W&B's service wrote anything
     while position + 7 <= len(data):
         if (left := 32768 - position % 32768) < 7:
             position += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
         if position + 7 + length > len(data):
             break
-        chunks, position = chunks + data[position + 7:position + 7 + length], position + 7 + length
+        chunks, position = (
+            chunks + data[position + 7 : position + 7 + length],
+            position + 7 + length,
+        )
         if kind in (1, 4):
             records.append(Record.FromString(chunks))
             chunks = b""
@@ -236,8 +308,14 @@ def wandb_runs(output_dir: Path) -> list[tuple[str, list[dict]]]:
     """Each offline run's (id, history rows), oldest first; a row without W&B's own _step, _runtime, _timestamp."""
     runs = []
     for path in sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        items = [[(item.key or "/".join(item.nested_key), json.loads(item.value_json)) for item in r.history.item]
-                 for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]  # "a/b" comes as parts
+        items = [
+            [
+                (item.key or "/".join(item.nested_key), json.loads(item.value_json))
+                for item in r.history.item
+            ]
+            for r in wandb_records(path)
+            if r.WhichOneof("record_type") == "history"
+        ]  # "a/b" comes as parts
         rows = [{key: value for key, value in row if not key.startswith("_")} for row in items]
         runs.append((path.stem.removeprefix("run-"), rows))
     return runs
@@ -250,13 +328,21 @@ def assert_wandb_equals_the_records(output_dir: Path, runs: int) -> None:
     found, records = wandb_runs(output_dir), steps(output_dir)
     assert len(found) == runs and len({run_id for run_id, _ in found}) == 1, found
     expected, epochs = [], metrics(output_dir)
-    last = {record["epoch"]: record["step"] for record in records}  # each epoch's last step (records are in order)
+    last = {
+        record["epoch"]: record["step"] for record in records
+    }  # each epoch's last step (records are in order)
     for record in records:
-        expected.append({key: value for key, value in record.items() if key not in ("epoch", "step")})
+        expected.append(
+            {key: value for key, value in record.items() if key not in ("epoch", "step")}
+        )
         if "val_loss" in record and record["step"] == last[record["epoch"]]:
             epoch = epochs[record["epoch"] - 1]
-            expected.append({"global_step": record["global_step"], **{f"epoch/{key}": value for key, value in
-                                                                       epoch.items()}})
+            expected.append(
+                {
+                    "global_step": record["global_step"],
+                    **{f"epoch/{key}": value for key, value in epoch.items()},
+                }
+            )
     expected = [{key: value for key, value in row.items() if value is not None} for row in expected]
     assert [sorted(row) for row in found[-1][1]] == [sorted(row) for row in expected]
     for row, wanted in zip(found[-1][1], expected):
@@ -266,9 +352,13 @@ def assert_wandb_equals_the_records(output_dir: Path, runs: int) -> None:
         assert_same_row(row, at[row["global_step"], tuple(sorted(row))])
 
 
-def assert_same_row(row: dict, wanted: dict) -> None:  # the learned values; a killed run's speed and memory differ
+def assert_same_row(
+    row: dict, wanted: dict
+) -> None:  # the learned values; a killed run's speed and memory differ
     learned = {key for key in wanted if key.removeprefix("epoch/") not in MEASURED}
-    assert {k: row[k] for k in learned} == pytest.approx({k: wanted[k] for k in learned}, rel=1e-6), row
+    assert {k: row[k] for k in learned} == pytest.approx(
+        {k: wanted[k] for k in learned}, rel=1e-6
+    ), row
 
 
 SUBNET = "10.231.7"  # private addresses that exist only inside these namespaces

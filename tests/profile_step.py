@@ -5,6 +5,7 @@ see what the data loader and the rest of the script cost.
 
     python tests/profile_step.py --arch resnet18 --amp-dtype bfloat16 --channels-last
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", default="resnet18", help="model, as the scripts' --arch")
     p.add_argument("--image-size", type=int, default=32, help="image height and width")
     p.add_argument("--batch-size", type=int, default=512, help="images per step")
-    p.add_argument("--amp-dtype", choices=["float16", "bfloat16"], default=None, help="autocast dtype (default: fp32)")
+    p.add_argument(
+        "--amp-dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="autocast dtype (default: fp32)",
+    )
     p.add_argument("--channels-last", action="store_true", help="NHWC model and input")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--compile-mode", default=None, help="mode, e.g. reduce-overhead (CUDA graphs)")
-    p.add_argument("--no-ddp", action="store_true", help="plain module instead of DDP at world size 1")
-    p.add_argument("--broadcast-buffers", action="store_true", help="DDP's per-forward buffer broadcast on")
-    p.add_argument("--steps", type=int, default=50, help="timed steps (after as many warm-up steps)")
+    p.add_argument(
+        "--no-ddp", action="store_true", help="plain module instead of DDP at world size 1"
+    )
+    p.add_argument(
+        "--broadcast-buffers", action="store_true", help="DDP's per-forward buffer broadcast on"
+    )
+    p.add_argument(
+        "--steps", type=int, default=50, help="timed steps (after as many warm-up steps)"
+    )
     p.add_argument("--top", type=int, default=15, help="rows of the profiler table")
     return p.parse_args()
 
@@ -49,7 +61,9 @@ def build(args, device: torch.device) -> torch.nn.Module:
     if not args.no_ddp:
         buffers = {} if args.broadcast_buffers else utils.no_buffer_sync_per_forward()
         model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, **buffers)
-    return torch.compile(model, mode=args.compile_mode) if args.compile or args.compile_mode else model
+    return (
+        torch.compile(model, mode=args.compile_mode) if args.compile or args.compile_mode else model
+    )
 
 
 def main() -> None:
@@ -63,13 +77,20 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     model = build(args, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8,
-                           device=device)
+    images = torch.randint(
+        0,
+        256,
+        (args.batch_size, 3, args.image_size, args.image_size),
+        dtype=torch.uint8,
+        device=device,
+    )
     targets = torch.randint(0, 10, (args.batch_size,), device=device)
     dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
-    finish = builtin.ImageBatchTransform(seed=0, padding=args.image_size // 8)  # crop, flip, normalise
+    finish = builtin.ImageBatchTransform(
+        seed=0, padding=args.image_size // 8
+    )  # crop, flip, normalise
 
     def step() -> None:
         x = finish(images, key=(0, 0))
@@ -91,13 +112,19 @@ def main() -> None:
     end.record()
     end.synchronize()
     ms = start.elapsed_time(end) / args.steps
-    print(f"{ms:.2f} ms per step, {args.batch_size / ms * 1000:.0f} images/s, "
-          f"{torch.cuda.get_device_name(device)}, {vars(args)}")
+    print(
+        f"{ms:.2f} ms per step, {args.batch_size / ms * 1000:.0f} images/s, "
+        f"{torch.cuda.get_device_name(device)}, {vars(args)}"
+    )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60
+        )
+    )
     dist.destroy_process_group()
 
 

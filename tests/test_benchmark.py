@@ -1,4 +1,5 @@
 """The benchmark's quick mode runs end to end and prints its table, ratios and chart (speed is not checked)."""
+
 import xml.etree.ElementTree as ET
 
 from processes import PYTHON, run
@@ -7,23 +8,52 @@ from processes import PYTHON, run
 def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
     svg = tmp_path / "speed.svg"
     # without the stream row of the old scripts (their workers hung once in CI): what they measure is in the README
-    result = run([PYTHON, "tests/benchmark.py", "--quick", "--repeats", "1", "--fake-size", "512", "--epochs", "2",
-                  "--without-before", "--chart", svg], timeout=600)
+    result = run(
+        [
+            PYTHON,
+            "tests/benchmark.py",
+            "--quick",
+            "--repeats",
+            "1",
+            "--fake-size",
+            "512",
+            "--epochs",
+            "2",
+            "--without-before",
+            "--chart",
+            svg,
+        ],
+        timeout=600,
+    )
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + 15, result.stdout  # header and one row per approach, the textbook loop among them
+    assert len(rows) == 1 + 15, (
+        result.stdout
+    )  # header and one row per approach, the textbook loop among them
     for row in rows[1:]:
         seconds, first, images_per_s = (row.split("|")[i] for i in (4, 5, 6))
         assert float(seconds.split()[0]) > 0 and float(first) > 0 and float(images_per_s) > 0, row
-        assert row.startswith("| textbook loop") or float(row.split("|")[9]) > 0, row  # the model state per rank
+        assert row.startswith("| textbook loop") or float(row.split("|")[9]) > 0, (
+            row
+        )  # the model state per rank
     assert any(row.startswith("| textbook loop") for row in rows)
-    for ratio in ("- scaling:", "- DDP overhead at world size 1:", "- accumulation:", "- per-step agreement",
-                  "- watchdog:",
-                  "- moving average (--ema): ",
-                  "- streams: read by the main processes, decoded in collate / in its map = ",
-                  "- data loading:", "- FSDP against DDP, same processes: ",
-                  "- against the textbook loop: DDP, 2 processes / textbook = "):
+    for ratio in (
+        "- scaling:",
+        "- DDP overhead at world size 1:",
+        "- accumulation:",
+        "- per-step agreement",
+        "- watchdog:",
+        "- moving average (--ema): ",
+        "- streams: read by the main processes, decoded in collate / in its map = ",
+        "- data loading:",
+        "- FSDP against DDP, same processes: ",
+        "- against the textbook loop: DDP, 2 processes / textbook = ",
+    ):
         assert any(line.startswith(ratio) for line in lines), ratio
     assert any(line.startswith("Hardware: ") for line in lines)
-    bars = ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}rect")[1:]  # the first is the background
-    assert len(bars) == 15 and len({bar.get("fill") for bar in bars}) == 3  # ours, the textbook loop, the ceiling
+    bars = (
+        ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}rect")[1:]
+    )  # the first is the background
+    assert (
+        len(bars) == 15 and len({bar.get("fill") for bar in bars}) == 3
+    )  # ours, the textbook loop, the ceiling

@@ -1,5 +1,6 @@
 """The built-in images' batched augmentation, in process: equal to torchvision's per-image
 transforms, and drawn per global batch so that every world size sees the same inputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,9 @@ import builtin
 import utils
 
 
-def torchvision_crop_flip(image: torch.Tensor, top: int, left: int, flip: bool, padding: int) -> torch.Tensor:
+def torchvision_crop_flip(
+    image: torch.Tensor, top: int, left: int, flip: bool, padding: int
+) -> torch.Tensor:
     """RandomCrop(size, padding) then RandomHorizontalFlip, with the draws given."""
     h, w = image.shape[1:]
     image = TF.crop(TF.pad(image, [padding]), top, left, h, w)
@@ -27,8 +30,12 @@ def test_batched_crop_and_flip_equal_torchvision_per_image(size, padding):
     flip = torch.arange(n) // (2 * padding + 1) % 2 == 1
     out = builtin.random_crop_flip(images, top, left, flip, padding)
     for i in range(n):
-        expected = torchvision_crop_flip(images[i], int(top[i]), int(left[i]), bool(flip[i]), padding)
-        assert torch.equal(out[i], expected), f"image {i}: top {top[i]}, left {left[i]}, flip {flip[i]}"
+        expected = torchvision_crop_flip(
+            images[i], int(top[i]), int(left[i]), bool(flip[i]), padding
+        )
+        assert torch.equal(out[i], expected), (
+            f"image {i}: top {top[i]}, left {left[i]}, flip {flip[i]}"
+        )
 
 
 def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch):
@@ -49,5 +56,9 @@ def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch)
     assert changed(whole, raw) > 50
     assert changed(whole, transform(images, key=(1, 5))) > 50  # another epoch
     assert changed(whole, transform(images, key=(0, 6))) > 50  # another step
-    assert changed(whole, builtin.ImageBatchTransform(4, 2)(images, key=(0, 5))) > 50  # another seed
-    assert torch.equal(whole, builtin.ImageBatchTransform(3, 2)(images, key=(0, 5)))  # and nothing else
+    assert (
+        changed(whole, builtin.ImageBatchTransform(4, 2)(images, key=(0, 5))) > 50
+    )  # another seed
+    assert torch.equal(
+        whole, builtin.ImageBatchTransform(3, 2)(images, key=(0, 5))
+    )  # and nothing else

@@ -1,8 +1,11 @@
 """distributed.py: the equivalences that make DDP trustworthy, launch modes, errors."""
+
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
+import shutil
 import socket
 
 import pytest
@@ -14,8 +17,23 @@ import distributed
 import builtin
 import utils
 
-from processes import (PYTHON, ROOT, TINY, assert_same_records, ends_every_rank_with, free_port, max_weight_difference,
-                       metrics, python, run, run_parallel, steps, torchrun, weights)
+from processes import (
+    PYTHON,
+    ROOT,
+    TINY,
+    assert_same_records,
+    ends_every_rank_with,
+    free_port,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    run_parallel,
+    steps,
+    torchrun,
+    weights,
+)
+from test_your_own_data import copy_with_your_functions
 
 
 def test_two_processes_equal_one_with_twice_the_batch(reference):
@@ -40,15 +58,25 @@ def test_records_every_few_steps_of_two_processes_equal_one(reference):
     one, two = steps(reference["one"]), steps(reference["two"])
     assert_same_records(two, one, tolerance=1e-5)
     train = [r for r in one if "train_loss" in r]
-    assert [(r["epoch"], r["step"]) for r in train[:5]] == [(1, 10), (1, 20), (1, 30), (1, 32), (2, 10)]
+    assert [(r["epoch"], r["step"]) for r in train[:5]] == [
+        (1, 10),
+        (1, 20),
+        (1, 30),
+        (1, 32),
+        (2, 10),
+    ]
     assert [r["global_step"] for r in train][-4:] == [74, 84, 94, 96]
     validation = [r for r in two if "val_loss" in r]
     assert [r["global_step"] for r in validation] == [12, 24, 32, 44, 56, 64, 76, 88, 96]
     assert all(r["val_images"] == 207 for r in validation)
-    ends = [r for r in validation if r["step"] == 32]  # the epoch ends' validation is metrics.jsonl's
+    ends = [
+        r for r in validation if r["step"] == 32
+    ]  # the epoch ends' validation is metrics.jsonl's
     assert [r["val_loss"] for r in ends] == [m["val_loss"] for m in metrics(reference["two"])]
-    assert all(r["grad_norm"] > 0 and r["images_per_s"] > 0 and r["peak_mem_mb"] > 0 and r["lr"] > 0
-               for r in train[:-1])
+    assert all(
+        r["grad_norm"] > 0 and r["images_per_s"] > 0 and r["peak_mem_mb"] > 0 and r["lr"] > 0
+        for r in train[:-1]
+    )
     assert "items_per_s" not in train[0]  # a mean loss: samples are the items
 
 
@@ -65,34 +93,139 @@ def test_default_recipe_with_augmentation_learns_alike_on_1_and_2_processes(tmp_
     two = run(torchrun(2, "distributed.py", *TINY, "--output-dir", tmp_path / "two"))
     assert "peak lr 0.0125" in two.stdout  # 0.1 x 32 / 256
     one, two = metrics(tmp_path / "one")[-1], metrics(tmp_path / "two")[-1]
-    assert one["val_acc"] > 0.9 and two["val_acc"] > 0.9 and abs(one["val_acc"] - two["val_acc"]) <= 0.02
+    assert (
+        one["val_acc"] > 0.9
+        and two["val_acc"] > 0.9
+        and abs(one["val_acc"] - two["val_acc"]) <= 0.02
+    )
     assert max_weight_difference(tmp_path / "one", tmp_path / "two") <= 1e-5
 
 
 def test_four_times_the_batch_without_lr_still_learns(tmp_path):
-    result = run(torchrun(2, "distributed.py", *TINY, "--batch-size", "128", "--output-dir", tmp_path))
+    result = run(
+        torchrun(2, "distributed.py", *TINY, "--batch-size", "128", "--output-dir", tmp_path)
+    )
     assert "peak lr 0.05" in result.stdout  # the rate follows the batch
     assert metrics(tmp_path)[-1]["val_acc"] > 0.9
 
 
 def readme_main_job(output_dir) -> list:
     """The README's first command, without its install step, writing to output_dir."""
-    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
-                if "pip install" in line and "torchrun" in line)
+    line = next(
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if "pip install" in line and "torchrun" in line
+    )
     words = shlex.split(line.split("&&", 1)[1])
     assert words[0] == "torchrun" and words[words.index("--output-dir") + 1] == "output"
     words[words.index("--output-dir") + 1] = str(output_dir)
     return [PYTHON, "-m", "torch.distributed.run", *words[1:]]
 
 
-def test_the_readme_main_job_learns(tmp_path):
-    result = run(readme_main_job(tmp_path), timeout=300)
+A_STREAM = """
+class Numbers(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(64):
+            yield torch.full((1, 8, 8), float(i % 4)), i % 4
+
+
+def build_datasets(args):
+    return Numbers(), Numbers(), 4
+
+
+def build_model(args, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+# a project's own utils.py, which the scripts must leave alone once ours is ddp_utils.py
+THEIR_UTILS = 'raise ImportError("the project\'s own utils.py was imported")\n'
+
+
+def renamed_utils(source: str) -> str:
+    """The README's sed: ours imported as ddp_utils, by the name utils."""
+    source = re.sub(r"^import utils\b", "import ddp_utils as utils", source, flags=re.M)
+    return re.sub(r"^from utils import", "from ddp_utils import", source, flags=re.M)
+
+
+def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
+    """The README's main job, run in a folder that holds only distributed.py, utils.py, stalls.py and
+    builtin.py (no streams.py), learns. The same folder given a stream says in one line to copy
+    streams.py. utils.py saved as ddp_utils.py beside a project's own utils.py (the README's sed)
+    trains with DataLoader workers, never importing the project's own."""
+    alone, stream, beside = tmp_path / "alone", tmp_path / "stream", tmp_path / "beside"
+    for name in ("distributed.py", "utils.py", "stalls.py", "builtin.py"):
+        alone.mkdir(exist_ok=True)
+        shutil.copy(ROOT / name, alone)
+    main_job = readme_main_job(tmp_path / "out")
+    main_job[main_job.index("distributed.py")] = str(alone / "distributed.py")
+    copy = copy_with_your_functions("distributed.py", stream, A_STREAM)
+    (stream / "streams.py").unlink()
+    beside.mkdir()
+    (beside / "utils.py").write_text(THEIR_UTILS)
+    shutil.copy(ROOT / "utils.py", beside / "ddp_utils.py")
+    for name in ("distributed.py", "stalls.py", "builtin.py"):
+        (beside / name).write_text(renamed_utils((ROOT / name).read_text()))
+    small = ["--fake-size", "512", "--batch-size", "64", "--epochs", "1", "--arch", "tiny"]
+    results = run_parallel(
+        [
+            (main_job, {}, alone),
+            (
+                [
+                    PYTHON,
+                    copy,
+                    "--steps-per-epoch",
+                    "2",
+                    "--batch-size",
+                    "8",
+                    "--workers",
+                    "0",
+                    "--output-dir",
+                    stream / "out",
+                ],
+                {},
+                stream,
+            ),
+            (
+                torchrun(
+                    2,
+                    str(beside / "distributed.py"),
+                    "--dataset",
+                    "fake",
+                    *small,
+                    "--workers",
+                    "2",
+                    "--output-dir",
+                    beside / "out",
+                ),
+                {},
+                beside,
+            ),
+        ],
+        timeout=300,
+        check=False,
+    )
+    result, streamed, renamed = results
+    assert result.returncode == 0, result.stderr
+    assert not (alone / "streams.py").exists()
+    assert streamed.returncode == 1 and streamed.stderr.strip().splitlines() == [
+        "error: streams.py is missing: copy it beside distributed.py and utils.py"
+    ], streamed.stderr
+    assert renamed.returncode == 0 and metrics(beside / "out")[-1]["val_acc"] > 0.3, renamed.stderr
+    tmp_path = tmp_path / "out"
     assert "world size 2" in result.stdout
     records = metrics(tmp_path)
     final = records[-1]
-    assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, final  # ten classes: chance is 0.1
+    assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, (
+        final
+    )  # ten classes: chance is 0.1
     for m in records:  # each epoch's line printed once, by rank 0, with the numbers of all ranks
-        shown = " ".join(f"{k} {m[k]:.4f}" for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema"))
+        shown = " ".join(
+            f"{k} {m[k]:.4f}"
+            for k in ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
+        )
         assert result.stdout.count(f"epoch {m['epoch']}/{len(records)} {shown} time ") == 1, shown
 
 
@@ -101,7 +234,11 @@ def test_continued_run_equals_uninterrupted_run(tmp_path, reference):
     an uninterrupted run's (1e-5: another number of processes; the same number continues to 1e-6 in
     test_preemption.py and test_records.py)."""
     out = tmp_path / "run"
-    first = run(torchrun(2, "distributed.py", *TINY, "--no-augment", "--stop-after", "2", "--output-dir", out))
+    first = run(
+        torchrun(
+            2, "distributed.py", *TINY, "--no-augment", "--stop-after", "2", "--output-dir", out
+        )
+    )
     assert "continuing" not in first.stdout
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
     second = run(python("distributed.py", *TINY, "--no-augment", "--output-dir", out))
@@ -117,18 +254,42 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
     running statistics drift apart; evaluation must still score every rank's shard with
     rank 0's, the ones the checkpoint keeps. Checked against the checkpoint scored in this process."""
     out = tmp_path / "out"
-    run(torchrun(2, "distributed.py", "--dataset", "fake", "--arch", "resnet18", "--fake-size", "210",
-                 "--image-size", "16", "--batch-size", "32", "--epochs", "1", "--workers", "0",
-                 "--output-dir", out))
+    run(
+        torchrun(
+            2,
+            "distributed.py",
+            "--dataset",
+            "fake",
+            "--arch",
+            "resnet18",
+            "--fake-size",
+            "210",
+            "--image-size",
+            "16",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--output-dir",
+            out,
+        )
+    )
     logged = metrics(out)[-1]
     model = builtin.model("resnet18", 10, 16)
     model.load_state_dict(weights(out))
-    args = argparse.Namespace(dataset="fake", fake_size=210, image_size=16, seed=0, no_augment=False,
-                              channels_last=False)
+    args = argparse.Namespace(
+        dataset="fake", fake_size=210, image_size=16, seed=0, no_augment=False, channels_last=False
+    )
     _, val_set, _ = builtin.datasets(args)
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
     try:  # a world of one in this process, as the script has
-        loader = DataLoader(val_set, 64, collate_fn=utils.Counted(distributed.collate))  # as the script makes it
+        loader = DataLoader(
+            val_set, 64, collate_fn=utils.Counted(distributed.collate)
+        )  # as the script makes it
         scored = distributed.evaluate(model, loader, args, torch.device("cpu"))
     finally:
         torch.distributed.destroy_process_group()
@@ -142,18 +303,51 @@ def launch_commands(mode: str, out, tmp_path) -> list[tuple[list, dict]]:
     args = [*TINY, "--no-augment", "--output-dir", out]
     port = free_port()
     if mode == "torch.distributed.launch":
-        return [([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2",
-                  f"--master_port={port}", "distributed.py", *args], {})]
+        return [
+            (
+                [
+                    PYTHON,
+                    "-m",
+                    "torch.distributed.launch",
+                    "--nproc_per_node=2",
+                    f"--master_port={port}",
+                    "distributed.py",
+                    *args,
+                ],
+                {},
+            )
+        ]
     if mode == "ip-port":  # two hand-started processes, as on two machines
-        return [(python("distributed.py", *args, "--ip", "127.0.0.1", "--port", port),
-                 {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)}) for r in range(2)]
+        return [
+            (
+                python("distributed.py", *args, "--ip", "127.0.0.1", "--port", port),
+                {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)},
+            )
+            for r in range(2)
+        ]
     if mode == "file-url":
-        return [(torchrun(2, "distributed.py", *args, "--dist-url",
-                          f"file://{tmp_path / 'rendezvous'}"), {})]
+        return [
+            (
+                torchrun(
+                    2, "distributed.py", *args, "--dist-url", f"file://{tmp_path / 'rendezvous'}"
+                ),
+                {},
+            )
+        ]
     if mode == "slurm":  # srun sets these; no torchrun
-        return [(python("distributed.py", *args),
-                 {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-                  "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}) for r in range(2)]
+        return [
+            (
+                python("distributed.py", *args),
+                {
+                    "SLURM_PROCID": str(r),
+                    "SLURM_NTASKS": "2",
+                    "SLURM_LOCALID": str(r),
+                    "SLURM_JOB_NODELIST": "localhost",
+                    "MASTER_PORT": str(port),
+                },
+            )
+            for r in range(2)
+        ]
     raise ValueError(mode)
 
 
@@ -174,11 +368,33 @@ def test_image_folder_counts_every_validation_image(tmp_path):
             for i in range(per_class):
                 Image.new("RGB", (20 + i, 24), colour).save(folder / f"{i}.png")
     out = tmp_path / "out"
-    run(torchrun(2, "distributed.py", "--dataset", "imagefolder", "--data-dir", data,
-                 "--arch", "tiny", "--image-size", "16", "--batch-size", "8", "--epochs", "1",
-                 "--workers", "1", "--output-dir", out))
+    run(
+        torchrun(
+            2,
+            "distributed.py",
+            "--dataset",
+            "imagefolder",
+            "--data-dir",
+            data,
+            "--arch",
+            "tiny",
+            "--image-size",
+            "16",
+            "--batch-size",
+            "8",
+            "--epochs",
+            "1",
+            "--workers",
+            "1",
+            "--output-dir",
+            out,
+        )
+    )
     assert metrics(out)[0]["val_images"] == 15  # 3 classes x 5: an odd count over 2 ranks
-    assert weights(out)["11.weight"].shape == (3, 64 * 16)  # the head has one output per class folder
+    assert weights(out)["11.weight"].shape == (
+        3,
+        64 * 16,
+    )  # the head has one output per class folder
 
 
 def occupied_port():
@@ -204,12 +420,19 @@ def other_arch_checkpoint(tmp_path):
 BAD_INPUTS = {
     "unknown dataset": (lambda t: ["--dataset", "imagenet"], "invalid choice"),
     "unknown arch": (lambda t: ["--arch", "resnet19"], "unknown --arch 'resnet19'"),
-    "missing image folder": (lambda t: ["--dataset", "imagefolder", "--data-dir", t / "none"],
-                             "not found"),
-    "missing cifar, no download": (lambda t: ["--dataset", "cifar10", "--data-dir", t,
-                                              "--no-download"], "cifar10 not found"),
+    "missing image folder": (
+        lambda t: ["--dataset", "imagefolder", "--data-dir", t / "none"],
+        "not found",
+    ),
+    "missing cifar, no download": (
+        lambda t: ["--dataset", "cifar10", "--data-dir", t, "--no-download"],
+        "cifar10 not found",
+    ),
     "corrupt checkpoint": (corrupt_checkpoint, "is not a readable checkpoint"),
-    "checkpoint of another arch": (other_arch_checkpoint, "was written with --arch tiny, not --arch resnet18"),
+    "checkpoint of another arch": (
+        other_arch_checkpoint,
+        "was written with --arch tiny, not --arch resnet18",
+    ),
     "sync-bn on cpu": (lambda t: ["--sync-bn"], "--sync-bn needs GPUs"),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
 }
@@ -231,36 +454,55 @@ def test_bad_input_ends_with_one_clear_line(case, tmp_path):
 def test_port_in_use_names_the_port(tmp_path):
     with occupied_port() as s:
         port = s.getsockname()[1]
-        result = run(python("distributed.py", *TINY, "--port", port, "--output-dir", tmp_path),
-                     timeout=60, check=False)
+        result = run(
+            python("distributed.py", *TINY, "--port", port, "--output-dir", tmp_path),
+            timeout=60,
+            check=False,
+        )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port")
+        f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port"
+    )
 
 
 def test_indivisible_batch_fails_on_every_rank(tmp_path):
-    result = run(torchrun(2, "distributed.py", *TINY, "--batch-size", "33",
-                          "--output-dir", tmp_path), timeout=60, check=False)
-    ends_every_rank_with(result, "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2")
+    result = run(
+        torchrun(2, "distributed.py", *TINY, "--batch-size", "33", "--output-dir", tmp_path),
+        timeout=60,
+        check=False,
+    )
+    ends_every_rank_with(
+        result, "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
+    )
 
 
 def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     """Ranks failing at once write into one stderr (torchrun's): a line in two writes (print() writes its newline
     apart, at once with PYTHONUNBUFFERED) ran into the other rank's line. Each write shows here as <...>."""
-    code = ("import io, os, sys, utils\n"
-            "class Writes(io.RawIOBase):\n"
-            "    def writable(self): return True\n"
-            "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
-            "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
-            "utils.run_main(lambda: utils.build_parser('').parse_args(['--no-such-flag']))\n")
+    code = (
+        "import io, os, sys, utils\n"
+        "class Writes(io.RawIOBase):\n"
+        "    def writable(self): return True\n"
+        "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
+        "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
+        "utils.run_main(lambda: utils.build_parser('').parse_args(['--no-such-flag']))\n"
+    )
     result = run([PYTHON, "-c", code], timeout=60, check=False)
     assert result.returncode == 1 and result.stderr == (
-        "<error: unrecognized arguments: --no-such-flag (see -c --help)\n>"), result.stderr
+        "<error: unrecognized arguments: --no-such-flag (see -c --help)\n>"
+    ), result.stderr
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("gpu-07", "gpu-07"), ("node[01-04]", "node01"), ("node[3,5-7],login1", "node3"),
-    ("a1,a2", "a1"), ("rack2-[100-101]", "rack2-100")])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("gpu-07", "gpu-07"),
+        ("node[01-04]", "node01"),
+        ("node[3,5-7],login1", "node3"),
+        ("a1,a2", "a1"),
+        ("rack2-[100-101]", "rack2-100"),
+    ],
+)
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
     assert utils.slurm_master_addr(nodelist) == first
 
@@ -269,10 +511,23 @@ def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
     """requirements.txt asks for 2.8: before it, a gloo process group could hang at exit (seen on 2.4.1 in about one
     2-process run in 10) and the tcp:// store refused its listening socket. Here an older one is stood in for."""
     (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.7.1+cu126'\n")
-    scripts = ["dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_amp.py",
-               "distributed_grad_accum.py", "distributed_fsdp.py"]
-    results = run_parallel([(python(script, *TINY, "--output-dir", tmp_path / "out"), {"PYTHONPATH": str(tmp_path)})
-                            for script in scripts], timeout=60, check=False)
+    scripts = [
+        "dataparallel.py",
+        "distributed.py",
+        "distributed_mp.py",
+        "distributed_amp.py",
+        "distributed_grad_accum.py",
+        "distributed_fsdp.py",
+    ]
+    results = run_parallel(
+        [
+            (python(script, *TINY, "--output-dir", tmp_path / "out"), {"PYTHONPATH": str(tmp_path)})
+            for script in scripts
+        ],
+        timeout=60,
+        check=False,
+    )
     for script, result in zip(scripts, results):
         assert result.returncode == 1 and result.stderr == (
-            "error: the scripts need PyTorch 2.8 or newer, not 2.7.1+cu126: pip install -r requirements.txt\n"), script
+            "error: the scripts need PyTorch 2.8 or newer, not 2.7.1+cu126: pip install -r requirements.txt\n"
+        ), script

@@ -1,5 +1,6 @@
 """The README and docs/ stay true: links and images resolve, the tests they name exist, and every script and flag
 that their commands name exists (the script's --help lists the flag)."""
+
 from __future__ import annotations
 
 import ast
@@ -30,18 +31,30 @@ def commands(page: Path) -> list[tuple[str, list[str]]]:
     """(script, its flags) of each command line that runs one of our scripts."""
     found = []
     for line in code_lines(page):
-        line = line.split(" #")[0].replace("$SCRATCH", "scratch")  # comments; a shell variable shlex keeps
-        words = shlex.split(line.split("&&")[-1]) if not line.startswith(("#", "def ", "return ")) else []
+        line = line.split(" #")[0].replace(
+            "$SCRATCH", "scratch"
+        )  # comments; a shell variable shlex keeps
+        words = (
+            shlex.split(line.split("&&")[-1])
+            if not line.startswith(("#", "def ", "return "))
+            else []
+        )
         script = next((w for w in words if w.endswith(".py") and (ROOT / w).is_file()), None)
         if script:
-            flags = [w.split("=")[0].replace("_", "-") for w in words[words.index(script) + 1:] if w.startswith("--")]
+            flags = [
+                w.split("=")[0].replace("_", "-")
+                for w in words[words.index(script) + 1 :]
+                if w.startswith("--")
+            ]
             found.append((script, flags))
     return found
 
 
 def help_texts(scripts: set[str]) -> dict[str, str]:
     """Each script's --help, all started at once: importing torch, in turn, would be most of this test's time."""
-    results = run_parallel([([PYTHON, script, "--help"], {}) for script in sorted(scripts)], timeout=120)
+    results = run_parallel(
+        [([PYTHON, script, "--help"], {}) for script in sorted(scripts)], timeout=120
+    )
     return dict(zip(sorted(scripts), (result.stdout for result in results)))
 
 
@@ -57,16 +70,36 @@ def test_links_and_images_resolve(page):
 def test_the_tests_named_exist(page):
     named = re.findall(r"(tests/[\w/]+\.py)::(\w+)", page.read_text())
     for path, name in named:
-        functions = {node.name for node in ast.parse((ROOT / path).read_text()).body
-                     if isinstance(node, ast.FunctionDef)}
+        functions = {
+            node.name
+            for node in ast.parse((ROOT / path).read_text()).body
+            if isinstance(node, ast.FunctionDef)
+        }
         assert name in functions, f"{page.name} names {path}::{name}, which does not exist"
 
 
 def test_every_script_and_flag_in_the_commands_exists():
     named = [(page.name, script, flags) for page in PAGES for script, flags in commands(page)]
     assert len(named) >= 20 and {"distributed.py", "distributed_fsdp.py", "tests/benchmark.py"} <= {
-        script for _, script, _ in named}  # the parser finds the commands
+        script for _, script, _ in named
+    }  # the parser finds the commands
     helps = help_texts({script for _, script, _ in named})
     for page, script, flags in named:
         unknown = [f for f in flags if not re.search(rf"{re.escape(f)}\b", helps[script])]
         assert not unknown, f"{page}: {script} has no {unknown}"
+
+
+def test_the_readme_is_a_map_whose_test_command_is_what_ci_runs():
+    """The README stays a map (220 lines at most); .ci/run runs exactly its test command."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 220, len(readme)
+    command = next(
+        line.strip()
+        for line in readme
+        if line.strip().startswith("python -m pip install") and "pytest" in line
+    )
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == command and "ruff check ." in command and "ruff format --check ." in command, (
+        ci,
+        command,
+    )

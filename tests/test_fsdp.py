@@ -1,5 +1,6 @@
 """distributed_fsdp.py: fully sharded data parallel trains what distributed.py trains, holds about 1/N of the model
 state per rank, and its sharded checkpoint continues on another number of processes and after SIGTERM."""
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,28 @@ import pytest
 import torch
 
 import builtin
-from processes import (EVAL_EVERY, OFFLINE, PYTHON, ROOT, TINY, assert_same_records, assert_wandb_equals_the_records,
-                       ends_every_rank_with, finish, free_port, max_weight_difference, metrics, python, run,
-                       run_parallel, start, steps, torchrun, wait_for, weights)
+from processes import (
+    EVAL_EVERY,
+    OFFLINE,
+    PYTHON,
+    ROOT,
+    TINY,
+    assert_same_records,
+    assert_wandb_equals_the_records,
+    ends_every_rank_with,
+    finish,
+    free_port,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    run_parallel,
+    start,
+    steps,
+    torchrun,
+    wait_for,
+    weights,
+)
 from test_preemption import fill, small_disk  # noqa: F401 (a fixture)
 from test_your_own_data import copy_with_your_functions, launch, users_code
 
@@ -32,9 +52,25 @@ def fsdp(tmp_path_factory) -> dict[str, Path]:
     """The reference job sharded over 2 processes, straight; and stopped after 2 epochs, then continued on 1, logging
     to W&B (offline)."""
     base = tmp_path_factory.mktemp("fsdp")
-    stopped = ["--stop-after", "2", "--wandb", "ddp-scripts-tests", "--output-dir", base / "two-then-one"]
-    run_parallel([(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"), {}),
-                  (torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped), OFFLINE)])
+    stopped = [
+        "--stop-after",
+        "2",
+        "--wandb",
+        "ddp-scripts-tests",
+        "--output-dir",
+        base / "two-then-one",
+    ]
+    run_parallel(
+        [
+            (
+                torchrun(
+                    2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", base / "two"
+                ),
+                {},
+            ),
+            (torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped), OFFLINE),
+        ]
+    )
     run(python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, *stopped[2:]), env=OFFLINE)
     return {"two": base / "two", "two then one": base / "two-then-one"}
 
@@ -45,11 +81,19 @@ def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
     assert d <= 1e-5
     for a, b in zip(metrics(fsdp["two"]), metrics(reference["one"])):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
-        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5) and a["val_images"] == b["val_images"] == 207
-    assert_same_records(steps(fsdp["two"]), steps(reference["one"]), tolerance=1e-5)  # the gradients' norm too
+        assert (
+            a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5)
+            and a["val_images"] == b["val_images"] == 207
+        )
+    assert_same_records(
+        steps(fsdp["two"]), steps(reference["one"]), tolerance=1e-5
+    )  # the gradients' norm too
     # every rank wrote its own shard; the full weights have plain keys and load into the plain model
-    assert sorted(p.name for p in (fsdp["two"] / "checkpoint").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                              "__1_0.distcp"]
+    assert sorted(p.name for p in (fsdp["two"] / "checkpoint").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     model = builtin.model("tiny", 10, 16)
     model.load_state_dict(weights(fsdp["two"]))
 
@@ -57,7 +101,10 @@ def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
 def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
     sharded, whole = metrics(fsdp["two"])[-1], metrics(reference["two"])[-1]
     state = {k: (sharded[k], whole[k]) for k in ("params_mb", "grads_mb", "optimizer_mb")}
-    print("MB per rank on 2 processes, FSDP vs DDP:", {k: f"{a:.4f} vs {b:.4f}" for k, (a, b) in state.items()})
+    print(
+        "MB per rank on 2 processes, FSDP vs DDP:",
+        {k: f"{a:.4f} vs {b:.4f}" for k, (a, b) in state.items()},
+    )
     for a, b in state.values():
         assert 0.45 <= a / b <= 0.55  # half, but for a shard rounded up by a few elements
 
@@ -66,7 +113,9 @@ def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
     out = fsdp["two then one"]
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 1]
     d = max_weight_difference(out, fsdp["two"])
-    print(f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}")
+    print(
+        f"2 processes for 2 epochs, then 1 for the third, vs 2 straight: max weight difference {d:.1e}"
+    )
     assert d <= 1e-5
     assert_same_records(steps(out), steps(fsdp["two"]), tolerance=1e-5)
     assert_wandb_equals_the_records(out, runs=2)  # the sharded checkpoint kept the run's id
@@ -76,7 +125,9 @@ def test_a_checkpoint_of_two_processes_continues_on_one(fsdp):
 def test_mixed_precision_learns(dtype, tmp_path):
     """FSDP's MixedPrecisionPolicy computes in dtype; float16 adds the ShardedGradScaler."""
     out = tmp_path / dtype
-    result = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", out))
+    result = run(
+        torchrun(2, "distributed_fsdp.py", *EXACT, "--amp-dtype", dtype, "--output-dir", out)
+    )
     assert f"compute in torch.{dtype}" in result.stdout
     assert metrics(out)[-1]["val_acc"] > 0.5, metrics(out)  # chance is 0.1
 
@@ -84,16 +135,39 @@ def test_mixed_precision_learns(dtype, tmp_path):
 def test_sigterm_mid_epoch_continues_exactly(tmp_path):
     """Two ranks started by hand (as srun starts them), SIGTERM to one: both stop after the same step, the sharded
     checkpoint and model.pt are written, and the same command continues to the weights of a straight run."""
+
     def by_hand(out, port):
-        return [(python("distributed_fsdp.py", *EXACT, "--fake-size", "3000", "--epochs", "1", "--save-every", "5",
-                        "--ip", "127.0.0.1", "--port", port, "--output-dir", out),
-                 {"RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)]
+        return [
+            (
+                python(
+                    "distributed_fsdp.py",
+                    *EXACT,
+                    "--fake-size",
+                    "3000",
+                    "--epochs",
+                    "1",
+                    "--save-every",
+                    "5",
+                    "--ip",
+                    "127.0.0.1",
+                    "--port",
+                    port,
+                    "--output-dir",
+                    out,
+                ),
+                {"RANK": str(r), "WORLD_SIZE": "2"},
+            )
+            for r in (0, 1)
+        ]
+
     run_parallel(by_hand(tmp_path / "straight", free_port()))
     out = tmp_path / "preempted"
     ranks = [start(cmd, env) for cmd, env in by_hand(out, free_port())]
     wait_for(lambda: (out / "checkpoint" / ".metadata").exists(), 120, "the first checkpoint")
     time.sleep(0.3)
-    assert all(proc.poll() is None for proc, _ in ranks), "finished before the signal: make the epoch longer"
+    assert all(proc.poll() is None for proc, _ in ranks), (
+        "finished before the signal: make the epoch longer"
+    )
     ranks[1][0].send_signal(signal.SIGTERM)
     results = [finish(proc, marker, timeout=60) for proc, marker in ranks]
     assert all(r.returncode == 128 + signal.SIGTERM for r in results), results[0].stderr
@@ -158,11 +232,37 @@ def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
     --activation-checkpointing (the model's own, with its dropout) it trains the same weights."""
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_LANGUAGE_MODEL)
     out = tmp_path / "out"
-    flags = ["--batch-size", "32", "--epochs", "3", "--workers", "0", "--timeout", "60", "--optimizer", "adamw",
-             "--lr", "1e-2"]
-    run_parallel([(launch(copy, 2, *flags, "--output-dir", out), {}),
-                  (launch(copy, 2, *flags, "--activation-checkpointing", "--output-dir", tmp_path / "recomputed"), {})],
-                 cwd=tmp_path)
+    flags = [
+        "--batch-size",
+        "32",
+        "--epochs",
+        "3",
+        "--workers",
+        "0",
+        "--timeout",
+        "60",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "1e-2",
+    ]
+    run_parallel(
+        [
+            (launch(copy, 2, *flags, "--output-dir", out), {}),
+            (
+                launch(
+                    copy,
+                    2,
+                    *flags,
+                    "--activation-checkpointing",
+                    "--output-dir",
+                    tmp_path / "recomputed",
+                ),
+                {},
+            ),
+        ],
+        cwd=tmp_path,
+    )
     assert max_weight_difference(tmp_path / "recomputed", out) <= 1e-6
     losses = [m["val_loss"] for m in metrics(out)]
     print(f"GPT-2 under FSDP, 2 processes: validation loss per token by epoch {losses}")
@@ -208,28 +308,53 @@ def build_model(args, num_classes):
 '''
 
 
-def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weights_with_dropout(tmp_path):
+def test_activation_checkpointing_recomputes_each_unit_and_trains_the_same_weights_with_dropout(
+    tmp_path,
+):
     """--activation-checkpointing runs each sharding unit's forward again in backward, with the random numbers of
     the first (dropout): the same weights, to 1e-6, under plain keys. --cpu-offload on CPU processes says in one
     line that it changes nothing, and trains so. And the model built on rank 0 alone draws dropout as DDP does,
     where each rank builds it (1e-5)."""
-    copy, ddp = (copy_with_your_functions(script, tmp_path / script, YOUR_DROPOUT_MODEL)
-                 for script in ("distributed_fsdp.py", "distributed.py"))
+    copy, ddp = (
+        copy_with_your_functions(script, tmp_path / script, YOUR_DROPOUT_MODEL)
+        for script in ("distributed_fsdp.py", "distributed.py")
+    )
     for script in (copy, ddp):
         shutil.copy(ROOT / "builtin.py", script.parent)  # the built-in fake images
-    runs = {"plain": (copy, []), "recomputed": (copy, ["--activation-checkpointing", "--cpu-offload"]),
-            "ddp": (ddp, [])}
-    results = run_parallel([(torchrun(2, script, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name),
-                             {"FORWARDS": str(tmp_path / f"{name}.forwards")})
-                            for name, (script, flags) in runs.items()])
+    runs = {
+        "plain": (copy, []),
+        "recomputed": (copy, ["--activation-checkpointing", "--cpu-offload"]),
+        "ddp": (ddp, []),
+    }
+    results = run_parallel(
+        [
+            (
+                torchrun(
+                    2, script, *EXACT, "--epochs", "2", *flags, "--output-dir", tmp_path / name
+                ),
+                {"FORWARDS": str(tmp_path / f"{name}.forwards")},
+            )
+            for name, (script, flags) in runs.items()
+        ]
+    )
     assert max_weight_difference(tmp_path / "plain", tmp_path / "ddp") <= 1e-5
     del runs["ddp"]
     forwards = {name: int((tmp_path / f"{name}.forwards").read_text()) for name in runs}
-    assert forwards == {"plain": 1 + 2 * 32, "recomputed": 2 * (1 + 2 * 32)}, forwards  # the start-up step's too
-    assert "--cpu-offload: on CPU processes the state is in host memory already" in results[1].stdout
+    assert forwards == {"plain": 1 + 2 * 32, "recomputed": 2 * (1 + 2 * 32)}, (
+        forwards
+    )  # the start-up step's too
+    assert (
+        "--cpu-offload: on CPU processes the state is in host memory already" in results[1].stdout
+    )
     assert max_weight_difference(tmp_path / "recomputed", tmp_path / "plain") <= 1e-6
-    assert list(weights(tmp_path / "recomputed")) == ["1.0.weight", "1.0.bias", "2.0.weight", "2.0.bias", "3.weight",
-                                                     "3.bias"]
+    assert list(weights(tmp_path / "recomputed")) == [
+        "1.0.weight",
+        "1.0.bias",
+        "2.0.weight",
+        "2.0.bias",
+        "3.weight",
+        "3.bias",
+    ]
 
 
 def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(reference, tmp_path):
@@ -237,19 +362,57 @@ def test_hybrid_sharding_equals_ddp_and_its_checkpoint_continues_as_plain_fsdp(r
     It trains what 1 DDP process trains (1e-5); stopped after 2 epochs, its checkpoint continues as plain FSDP on 2
     processes and on 1 (1e-5)."""
     hybrid = [*EXACT, *EVAL_EVERY, "--replicate", "2"]
-    straight, _ = run_parallel([(torchrun(4, "distributed_fsdp.py", *hybrid, "--output-dir", tmp_path / "four"), {}),
-                                (torchrun(4, "distributed_fsdp.py", *hybrid, "--stop-after", "2", "--output-dir",
-                                          tmp_path / "stopped"), {})], timeout=300)
+    straight, _ = run_parallel(
+        [
+            (torchrun(4, "distributed_fsdp.py", *hybrid, "--output-dir", tmp_path / "four"), {}),
+            (
+                torchrun(
+                    4,
+                    "distributed_fsdp.py",
+                    *hybrid,
+                    "--stop-after",
+                    "2",
+                    "--output-dir",
+                    tmp_path / "stopped",
+                ),
+                {},
+            ),
+        ],
+        timeout=300,
+    )
     assert "2 x 2 shards" in straight.stdout
     assert max_weight_difference(tmp_path / "four", reference["one"]) <= 1e-5
     assert_same_records(steps(tmp_path / "four"), steps(reference["one"]), tolerance=1e-5)
     for name in ("on-two", "on-one"):
         shutil.copytree(tmp_path / "stopped", tmp_path / name)
-    run_parallel([(torchrun(2, "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", tmp_path / "on-two"), {}),
-                  (python("distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", tmp_path / "on-one"), {})],
-                 timeout=300)
+    run_parallel(
+        [
+            (
+                torchrun(
+                    2,
+                    "distributed_fsdp.py",
+                    *EXACT,
+                    *EVAL_EVERY,
+                    "--output-dir",
+                    tmp_path / "on-two",
+                ),
+                {},
+            ),
+            (
+                python(
+                    "distributed_fsdp.py", *EXACT, *EVAL_EVERY, "--output-dir", tmp_path / "on-one"
+                ),
+                {},
+            ),
+        ],
+        timeout=300,
+    )
     for name in ("on-two", "on-one"):
-        assert [m["world_size"] for m in metrics(tmp_path / name)] == [4, 4, 2 if name == "on-two" else 1]
+        assert [m["world_size"] for m in metrics(tmp_path / name)] == [
+            4,
+            4,
+            2 if name == "on-two" else 1,
+        ]
         assert max_weight_difference(tmp_path / name, tmp_path / "four") <= 1e-5
 
 
@@ -294,23 +457,51 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
     temporaries). A build_model that cannot build on meta (one warning line) leaves rank 1 as high as rank 0, as
     every rank built the whole model before."""
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_GPT2_SMALL)
-    flags = ["--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "1", "--workers", "0", "--momentum", "0",
-             "--timeout", "120"]
+    flags = [
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "1",
+        "--workers",
+        "0",
+        "--momentum",
+        "0",
+        "--timeout",
+        "120",
+    ]
     runs = {"once": {}, "every rank": {"REFUSE_META": "1"}}
     for name in runs:
         (tmp_path / name).mkdir()
-    results = run_parallel([(launch(copy, 2, *flags, "--output-dir", tmp_path / name / "out"),
-                             {**env, "PEAKS": str(tmp_path / name)}) for name, env in runs.items()],
-                           timeout=300, cwd=tmp_path)
+    results = run_parallel(
+        [
+            (
+                launch(copy, 2, *flags, "--output-dir", tmp_path / name / "out"),
+                {**env, "PEAKS": str(tmp_path / name)},
+            )
+            for name, env in runs.items()
+        ],
+        timeout=300,
+        cwd=tmp_path,
+    )
     for result, env in zip(results, runs.values()):
         assert ("cannot build on the meta device" in result.stdout) == bool(env), result.stdout
         # said before sharding: 124M float32 parameters (the tied head once), half a rank; SGD without momentum
-        assert re.search(r"^each rank will hold 0\.50 GB: parameters 0\.25, gradients 0\.25, sgd state 0\.00; "
-                         r"\d+\.\d GB free for it \(cpu\)$", result.stdout, re.M), result.stdout
-    peaks = {name: [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)] for name in runs}
+        assert re.search(
+            r"^each rank will hold 0\.50 GB: parameters 0\.25, gradients 0\.25, sgd state 0\.00; "
+            r"\d+\.\d GB free for it \(cpu\)$",
+            result.stdout,
+            re.M,
+        ), result.stdout
+    peaks = {
+        name: [float((tmp_path / name / str(rank)).read_text()) for rank in (0, 1)] for name in runs
+    }
     print(f"peak resident memory before the first step, MiB, ranks 0 and 1: {peaks}")
     once, every = peaks["once"], peaks["every rank"]
-    assert once[1] < once[0] - 200 and once[1] < every[1] - 150, peaks  # measured: 300 and 206 below
+    assert once[1] < once[0] - 200 and once[1] < every[1] - 150, (
+        peaks
+    )  # measured: 300 and 206 below
     assert abs(every[1] - every[0]) < 150, peaks
 
 
@@ -320,17 +511,27 @@ def test_the_phase_table_shows_each_phase_and_a_save_that_adds_little_beside_ran
     sharded checkpoint; model.pt and hf/ gathered on rank 0) adds the whole model on rank 0, which writes it, and
     on rank 1 less than a copy of it: tensors in flight one at a time (measured: 0.17 to 0.35 GiB, with the 147 MiB
     embedding the largest), nothing kept."""
-    result = run([PYTHON, ROOT / "tests" / "fsdp_memory.py", "--model", "gpt2", "--only", "FSDP"], timeout=600)
+    result = run(
+        [PYTHON, ROOT / "tests" / "fsdp_memory.py", "--model", "gpt2", "--only", "FSDP"],
+        timeout=600,
+    )
     print(result.stdout)
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| approach")).strip("| ").split(" | ")
-    rows = [dict(zip(header, line.strip("| ").split(" | "))) for line in lines if line.startswith("| FSDP |")]
+    rows = [
+        dict(zip(header, line.strip("| ").split(" | ")))
+        for line in lines
+        if line.startswith("| FSDP |")
+    ]
     assert [row["rank"] for row in rows] == ["0", "1"]
     for row in rows:  # every phase measured, above the interpreter's memory
-        assert all(float(row[phase]) > 0.5 for phase in header[2:header.index("save adds")]), row
+        assert all(float(row[phase]) > 0.5 for phase in header[2 : header.index("save adds")]), row
     assert float(rows[1]["save adds"]) < 0.46 and float(rows[0]["save adds"]) >= 0.3, rows
-    assert re.search(r"^FSDP: each rank will hold 1\.00 GB: parameters 0\.25, gradients 0\.25, adamw state 0\.50;",
-                     result.stdout, re.M), result.stdout
+    assert re.search(
+        r"^FSDP: each rank will hold 1\.00 GB: parameters 0\.25, gradients 0\.25, adamw state 0\.50;",
+        result.stdout,
+        re.M,
+    ), result.stdout
 
 
 def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_it(tmp_path):
@@ -338,16 +539,36 @@ def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_
     pasted with the small GPT-2's data and loss, on a checkpoint saved with save_pretrained: rank 1 builds on meta
     (no warning), and with --lr 0 the trained weights are the pretrained ones."""
     page = (ROOT / "docs" / "fsdp.md").read_text()
-    recipe = re.search(r"```python\n(.*?)```", page[page.index("A Hugging Face model from a checkpoint"):], re.S)[1]
+    recipe = re.search(
+        r"```python\n(.*?)```", page[page.index("A Hugging Face model from a checkpoint") :], re.S
+    )[1]
     yours = users_code(YOUR_LANGUAGE_MODEL)
     pretrained = yours["GPT2LMHeadModel"](yours["CONFIG"])
     pretrained.save_pretrained(tmp_path / "gpt2")
-    code = YOUR_LANGUAGE_MODEL.replace("def build_model(", "def replaced_build_model(") + recipe.replace(
-        "path/to/checkpoint", str(tmp_path / "gpt2"))
+    code = YOUR_LANGUAGE_MODEL.replace(
+        "def build_model(", "def replaced_build_model("
+    ) + recipe.replace("path/to/checkpoint", str(tmp_path / "gpt2"))
     code = f"import torch.distributed as dist\n{code}"
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", code)
-    result = run(launch(copy, 2, "--batch-size", "32", "--epochs", "1", "--workers", "0", "--timeout", "60",
-                        "--lr", "0", "--output-dir", tmp_path / "out"), cwd=tmp_path)
+    result = run(
+        launch(
+            copy,
+            2,
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--timeout",
+            "60",
+            "--lr",
+            "0",
+            "--output-dir",
+            tmp_path / "out",
+        ),
+        cwd=tmp_path,
+    )
     assert "cannot build on the meta device" not in result.stdout + result.stderr
     assert difference(weights(tmp_path / "out"), pretrained.state_dict()) == 0.0
 
@@ -360,8 +581,11 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_keeps_the_last_checkpoint
     run(torchrun(2, "distributed_fsdp.py", *EXACT, "--stop-after", "1", "--output-dir", out))
     filler = fill(small_disk, leave=16 * 1024)  # the metrics line fits, the shards do not
     full = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out), check=False)
-    ends_every_rank_with(full, f"error: cannot write {out / 'checkpoint.new'}: No space left on device: free space "
-                               f"or use another --output-dir")
+    ends_every_rank_with(
+        full,
+        f"error: cannot write {out / 'checkpoint.new'}: No space left on device: free space "
+        f"or use another --output-dir",
+    )
     filler.unlink()
     second = run(torchrun(2, "distributed_fsdp.py", *EXACT, "--output-dir", out))
     assert "continuing from" in second.stdout and "1 of 3 epochs done" in second.stdout
@@ -374,16 +598,30 @@ def test_a_sharded_checkpoint_that_cannot_be_read_ends_every_rank_with_one_line(
     rank, as a broken checkpoint.pt is, never a traceback from the continuation."""
     (tmp_path / "out" / "checkpoint").mkdir(parents=True)
     (tmp_path / "out" / "checkpoint" / ".metadata").write_bytes(b"not a checkpoint")
-    result = run(torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=120, check=False)
-    ends_every_rank_with(result, f"error: {tmp_path / 'out' / 'checkpoint'} is not readable or does not fit this model")
+    result = run(
+        torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"),
+        timeout=120,
+        check=False,
+    )
+    ends_every_rank_with(
+        result,
+        f"error: {tmp_path / 'out' / 'checkpoint'} is not readable or does not fit this model",
+    )
 
 
 @pytest.mark.parametrize("flag", [["--sync-bn"], ["--comm-hook", "bf16"]])
 def test_flags_of_ddp_end_in_one_line(flag, tmp_path):
-    result = run(python("distributed_fsdp.py", *TINY, *flag, "--output-dir", tmp_path), timeout=60, check=False)
+    result = run(
+        python("distributed_fsdp.py", *TINY, *flag, "--output-dir", tmp_path),
+        timeout=60,
+        check=False,
+    )
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "error: --sync-bn, --find-unused-parameters and --comm-hook are DDP's")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --sync-bn, --find-unused-parameters and --comm-hook are DDP's")
+    )
 
 
 def test_a_gloo_that_sums_for_the_average_is_named_in_one_line_on_every_rank(tmp_path):
@@ -394,13 +632,20 @@ def test_a_gloo_that_sums_for_the_average_is_named_in_one_line_on_every_rank(tmp
         "summed = dist.reduce_scatter_tensor\n"
         "def older(output, input, op=dist.ReduceOp.SUM, **kwargs):\n"
         "    return summed(output, input, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, **kwargs)\n"
-        "dist.reduce_scatter_tensor = older\n")
-    result = run(torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"), timeout=120,
-                 check=False, env={"PYTHONPATH": str(tmp_path)})
-    ends_every_rank_with(result, f"error: PyTorch {torch.__version__}'s gloo sums where FSDP averages")
+        "dist.reduce_scatter_tensor = older\n"
+    )
+    result = run(
+        torchrun(2, "distributed_fsdp.py", *TINY, "--output-dir", tmp_path / "out"),
+        timeout=120,
+        check=False,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    ends_every_rank_with(
+        result, f"error: PyTorch {torch.__version__}'s gloo sums where FSDP averages"
+    )
 
 
-YOUR_MODEL_BEYOND_THE_MACHINE = '''
+YOUR_MODEL_BEYOND_THE_MACHINE = """
 import os
 
 
@@ -415,7 +660,7 @@ def build_model(args, num_classes):  # a parameter of FLOATS never written to: i
 
 def compute_loss(outputs, targets):
     return F.cross_entropy(outputs, targets)
-'''
+"""
 
 
 def test_a_state_beyond_the_machine_ends_every_rank_in_one_line_before_sharding(tmp_path):
@@ -424,11 +669,34 @@ def test_a_state_beyond_the_machine_ends_every_rank_in_one_line_before_sharding(
     most 1.6 x (what is available, and the model itself once sharded): every rank ends with one line that says so
     before any shard exists, not by the out-of-memory killer mid-step."""
     available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
-    copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_MODEL_BEYOND_THE_MACHINE)
-    result = run(launch(copy, 2, "--batch-size", "4", "--epochs", "1", "--workers", "0", "--optimizer", "adamw",
-                        "--timeout", "60", "--output-dir", tmp_path / "out"), timeout=120, cwd=tmp_path, check=False,
-                 env={"FLOATS": str(int(0.6 * available / 4))})
+    copy = copy_with_your_functions(
+        "distributed_fsdp.py", tmp_path / "copy", YOUR_MODEL_BEYOND_THE_MACHINE
+    )
+    result = run(
+        launch(
+            copy,
+            2,
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--optimizer",
+            "adamw",
+            "--timeout",
+            "60",
+            "--output-dir",
+            tmp_path / "out",
+        ),
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+        env={"FLOATS": str(int(0.6 * available / 4))},
+    )
     ends_every_rank_with(result, "error: each rank will hold")
-    line = next(line for line in result.stderr.splitlines() if line.startswith("error: each rank will hold"))
+    line = next(
+        line for line in result.stderr.splitlines() if line.startswith("error: each rank will hold")
+    )
     assert "it cannot fit: use more processes" in line and "adamw state" in line, line
     assert not (tmp_path / "out" / "checkpoint").exists()

@@ -2,6 +2,7 @@
 --output-dir/hf/ with save_pretrained, which from_pretrained reads back to the trained model (the same logits); a
 PEFT (LoRA) model writes its adapter alone, which PeftModel.from_pretrained puts on the base model. Under FSDP the
 weights are gathered once, on rank 0, for model.pt and hf/ alike."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,10 @@ from test_your_own_data import copy_with_your_functions, launch, users_code
 peft = pytest.importorskip("peft")  # a test-only dependency (tests/requirements.txt)
 
 # the small GPT-2 of the FSDP tests, with LoRA on its attention where LORA is set
-YOURS = YOUR_LANGUAGE_MODEL.replace('''def build_model(args, num_classes):
-    return GPT2LMHeadModel(CONFIG)  # its head is tied to its token embedding''', '''import os
+YOURS = YOUR_LANGUAGE_MODEL.replace(
+    """def build_model(args, num_classes):
+    return GPT2LMHeadModel(CONFIG)  # its head is tied to its token embedding""",
+    """import os
 
 from peft import LoraConfig, get_peft_model
 
@@ -24,12 +27,31 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=T
 
 def build_model(args, num_classes):
     model = GPT2LMHeadModel(CONFIG)  # its head is tied to its token embedding
-    return get_peft_model(model, LORA) if os.environ.get("LORA") else model''')
+    return get_peft_model(model, LORA) if os.environ.get("LORA") else model""",
+)
 assert YOURS != YOUR_LANGUAGE_MODEL
-SCRIPTS = {"dataparallel.py": 1, "distributed.py": 2, "distributed_mp.py": 2, "distributed_amp.py": 2,
-           "distributed_grad_accum.py": 2, "distributed_fsdp.py": 2}
-FLAGS = ["--batch-size", "32", "--epochs", "1", "--workers", "0", "--timeout", "60", "--optimizer", "adamw",
-         "--lr", "1e-2"]
+SCRIPTS = {
+    "dataparallel.py": 1,
+    "distributed.py": 2,
+    "distributed_mp.py": 2,
+    "distributed_amp.py": 2,
+    "distributed_grad_accum.py": 2,
+    "distributed_fsdp.py": 2,
+}
+FLAGS = [
+    "--batch-size",
+    "32",
+    "--epochs",
+    "1",
+    "--workers",
+    "0",
+    "--timeout",
+    "60",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "1e-2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +65,13 @@ def trained(tmp_path_factory):
         copy = copy_with_your_functions(script, base / f"copy-{script}", YOURS)
         flags = [*FLAGS, *(["--amp-dtype", "bfloat16"] if script == "distributed_amp.py" else [])]
         out = base / f"{script}{'-lora' if lora else ''}"
-        commands.append((launch(copy, processes, *flags, "--output-dir", out), {"LORA": "1"} if lora else {}, base))
+        commands.append(
+            (
+                launch(copy, processes, *flags, "--output-dir", out),
+                {"LORA": "1"} if lora else {},
+                base,
+            )
+        )
     run_parallel(commands, timeout=400)
     return base
 
@@ -72,7 +100,11 @@ def test_a_lora_model_comes_out_as_its_adapter_alone(script, trained):
     PeftModel.from_pretrained on the base model the run started from gives the trained model."""
     yours = users_code(YOURS)
     out = trained / f"{script}-lora"
-    assert {p.name for p in (out / "hf").iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    assert {p.name for p in (out / "hf").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "README.md",
+    }
 
     def base():  # what build_model built first: the script's seed, nothing drawn before it
         torch.manual_seed(0)

@@ -19,11 +19,15 @@ import stalls
 import utils
 from processes import ROOT
 
-SCRIPTS = sorted(path.name for path in ROOT.glob("*.py") if path.name.startswith(("distributed", "dataparallel")))
+SCRIPTS = sorted(
+    path.name for path in ROOT.glob("*.py") if path.name.startswith(("distributed", "dataparallel"))
+)
 # what reaches into PyTorch's or multiprocessing's insides
-PRIVATE = re.compile(r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
-                     r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace")
-SECTION = "# ------------------------------------------------ PyTorch's insides we reach ----"
+PRIVATE = re.compile(
+    r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
+    r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace"
+)
+SECTION = "# -------------------------------------------- PyTorch's insides we reach ----"
 
 
 def test_each_internal_exists_on_the_installed_pytorch():
@@ -61,7 +65,11 @@ def test_internals_are_reached_in_one_place():
             start = source.index(SECTION)
             end = source.index("\n# ---", start + len(SECTION))
             source = source[:start] + source[end:]
-        lines = [line for line in source.splitlines() if PRIVATE.search(line) and not line.lstrip().startswith("#")]
+        lines = [
+            line
+            for line in source.splitlines()
+            if PRIVATE.search(line) and not line.lstrip().startswith("#")
+        ]
         assert not lines, (name, lines)
 
 
@@ -78,10 +86,22 @@ def test_without_collective_counts_the_line_names_no_rank_but_every_position(mon
     monkeypatch.delattr(dist.distributed_c10d, "_world")
     assert utils.collectives_started() is None
     reports = [
-        {"rank": 0, "seconds": 25, "collectives": None, "position": "at step 3 of epoch 1",
-         "where": "in main (distributed.py:10)", "saving": None},
-        {"rank": 1, "seconds": 21, "collectives": None, "position": "at step 3 of epoch 1",
-         "where": "in compute_loss (distributed.py:50)", "saving": None},
+        {
+            "rank": 0,
+            "seconds": 25,
+            "collectives": None,
+            "position": "at step 3 of epoch 1",
+            "where": "in main (distributed.py:10)",
+            "saving": None,
+        },
+        {
+            "rank": 1,
+            "seconds": 21,
+            "collectives": None,
+            "position": "at step 3 of epoch 1",
+            "where": "in compute_loss (distributed.py:50)",
+            "saving": None,
+        },
     ]
     line = stalls.stall_line(reports, 2, 20, tmp_path)
     assert line == (
@@ -95,7 +115,9 @@ def test_without_collective_counts_the_line_names_no_rank_but_every_position(mon
 def test_a_missing_or_failing_trace_dump_never_stops_the_line(monkeypatch):
     monkeypatch.delattr(torch._C._distributed_c10d, "_dump_nccl_trace", raising=False)
     assert utils.nccl_trace() is None
-    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: 1 / 0, raising=False)
+    monkeypatch.setattr(
+        torch._C._distributed_c10d, "_dump_nccl_trace", lambda: 1 / 0, raising=False
+    )
     assert utils.nccl_trace() is None
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
     assert utils.default_store() is None

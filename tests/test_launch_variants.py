@@ -1,10 +1,21 @@
 """dataparallel.py and distributed_mp.py train the same model as distributed.py."""
+
 from __future__ import annotations
 
 import socket
 
-from processes import (EVAL_EVERY, TINY, assert_same_records, free_port, max_weight_difference, metrics, python, run,
-                       run_parallel, steps)
+from processes import (
+    EVAL_EVERY,
+    TINY,
+    assert_same_records,
+    free_port,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    run_parallel,
+    steps,
+)
 
 
 def test_dataparallel_equals_single_process_ddp(tmp_path, reference):
@@ -20,7 +31,18 @@ def test_dataparallel_equals_single_process_ddp(tmp_path, reference):
 
 def test_spawn_equals_torchrun(tmp_path, reference):
     out = tmp_path / "mp"
-    run(python("distributed_mp.py", *TINY, "--no-augment", *EVAL_EVERY, "--nproc", "2", "--output-dir", out))
+    run(
+        python(
+            "distributed_mp.py",
+            *TINY,
+            "--no-augment",
+            *EVAL_EVERY,
+            "--nproc",
+            "2",
+            "--output-dir",
+            out,
+        )
+    )
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
     assert max_weight_difference(out, reference["two"]) <= 1e-5
     assert_same_records(steps(out), steps(reference["two"]), tolerance=1e-5)
@@ -28,8 +50,20 @@ def test_spawn_equals_torchrun(tmp_path, reference):
 
 def test_spawn_on_two_nodes_forms_one_world(tmp_path, reference):
     out, port = tmp_path / "mp", free_port()
-    node = [*TINY, "--no-augment", "--nodes", "2", "--nproc", "1", "--ip", "127.0.0.1",
-            "--port", port, "--output-dir", out]
+    node = [
+        *TINY,
+        "--no-augment",
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--output-dir",
+        out,
+    ]
     run_parallel([(python("distributed_mp.py", *node, "--node-rank", str(i)), {}) for i in (0, 1)])
     assert [m["world_size"] for m in metrics(out)] == [2, 2, 2]
     assert max_weight_difference(out, reference["two"]) <= 1e-5
@@ -44,7 +78,8 @@ def last_error_line(args: list) -> str:
 
 def test_spawn_reports_a_child_error_in_one_line(tmp_path):
     assert last_error_line(["--nproc", "2", "--batch-size", "33", "--output-dir", tmp_path]) == (
-        "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2")
+        "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
+    )
 
 
 def test_spawn_names_a_port_in_use(tmp_path):
@@ -53,8 +88,13 @@ def test_spawn_names_a_port_in_use(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         line = last_error_line(["--nproc", "2", "--port", port, "--output-dir", tmp_path])
-    assert line == f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port"
+    assert (
+        line
+        == f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port"
+    )
 
 
 def test_spawn_multi_node_needs_an_address(tmp_path):
-    assert "--nodes > 1 needs --ip and --port" in last_error_line(["--nodes", "2", "--output-dir", tmp_path])
+    assert "--nodes > 1 needs --ip and --port" in last_error_line(
+        ["--nodes", "2", "--output-dir", tmp_path]
+    )

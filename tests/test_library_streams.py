@@ -4,6 +4,7 @@ lost under DataLoader workers (every full global batch trained on, every validat
 sample is read once over 2 processes x 2 workers (a stream of one shard once per process) and collated once, in a
 worker; 2 processes train what 1 does, in every script; a stop mid-epoch continues exactly; what cannot work is one
 line."""
+
 from __future__ import annotations
 
 import collections
@@ -22,9 +23,15 @@ datasets = pytest.importorskip("datasets")  # test-only dependencies (tests/requ
 pytest.importorskip("webdataset")
 
 # the docs' examples as a user pastes them, the webdataset one last; then what the tests count and where they stop
-DOCS = (docs_example("A complete example") + docs_example("### A Hugging Face streaming dataset")
-        + "\n\nHF_DATASETS, HF_COLLATE = build_datasets, collate\n\n" + docs_example("### A webdataset pipeline"))
-COUNTED = DOCS + '''
+DOCS = (
+    docs_example("A complete example")
+    + docs_example("### A Hugging Face streaming dataset")
+    + "\n\nHF_DATASETS, HF_COLLATE = build_datasets, collate\n\n"
+    + docs_example("### A webdataset pipeline")
+)
+COUNTED = (
+    DOCS
+    + '''
 
 import os
 import signal
@@ -72,24 +79,59 @@ class StoppedAt(MeanOfEmbeddings):
 def build_model(args, num_classes):
     return StoppedAt(1000, num_classes)
 '''
+)
 
-FLAGS = ["--batch-size", "32", "--epochs", "2", "--steps-per-epoch", "37", "--lr", "0.5",
-         "--print-freq", "6", "--eval-every", "16", "--timeout", "60"]
+FLAGS = [
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--steps-per-epoch",
+    "37",
+    "--lr",
+    "0.5",
+    "--print-freq",
+    "6",
+    "--eval-every",
+    "16",
+    "--timeout",
+    "60",
+]
 # each stream's files (rows a file), in a folder of its own: 1200 training rows, 200 validation rows
-DATA = {"huggingface": ([300] * 4, [200], False),  # 37 full global batches (of 8 rows from each file) an epoch
-        "one file": ([1200], [200], False),  # a stream of one shard: every process reads it whole
-        # files as they come: the 200-row one ends after step 25, then the rest of the others makes 12 batches more
-        "uneven": ([400, 350, 250, 200], [200], False),
-        "webdataset": ([300, 300, 300, 280], [100, 100], True)}  # 35 steps of 4 shards, then 1 of the rest (60)
+DATA = {
+    "huggingface": (
+        [300] * 4,
+        [200],
+        False,
+    ),  # 37 full global batches (of 8 rows from each file) an epoch
+    "one file": ([1200], [200], False),  # a stream of one shard: every process reads it whole
+    # files as they come: the 200-row one ends after step 25, then the rest of the others makes 12 batches more
+    "uneven": ([400, 350, 250, 200], [200], False),
+    "webdataset": ([300, 300, 300, 280], [100, 100], True),
+}  # 35 steps of 4 shards, then 1 of the rest (60)
 FULL_STEPS = {"huggingface": 37, "one file": 37, "uneven": 37, "webdataset": 36}
-TERM_IN_EPOCH_2 = {"huggingface": str(1 + 37 + 7), "uneven": str(1 + 37 + 30)}  # the start-up check's forward,
-STOPPED_AFTER = {"huggingface": 8, "uneven": 31}  # epoch 1's 37, then epoch 2's: stopped after that step
+TERM_IN_EPOCH_2 = {
+    "huggingface": str(1 + 37 + 7),
+    "uneven": str(1 + 37 + 30),
+}  # the start-up check's forward,
+STOPPED_AFTER = {
+    "huggingface": 8,
+    "uneven": 31,
+}  # epoch 1's 37, then epoch 2's: stopped after that step
 # the other scripts: (name, script, processes, flags, equal to the reference within)
-SCRIPTS = [("dataparallel", "dataparallel.py", 1, ["--workers", "2"], 1e-6),
-           ("mp", "distributed_mp.py", 2, ["--workers", "0"], 1e-5),
-           ("amp", "distributed_amp.py", 2, ["--workers", "0", "--amp-dtype", "bfloat16"], None),  # learns
-           ("accumulation", "distributed_grad_accum.py", 2, ["--workers", "1", "--accum-steps", "2"], 1e-5),
-           ("fsdp", "distributed_fsdp.py", 2, ["--workers", "1"], 1e-5)]
+SCRIPTS = [
+    ("dataparallel", "dataparallel.py", 1, ["--workers", "2"], 1e-6),
+    ("mp", "distributed_mp.py", 2, ["--workers", "0"], 1e-5),
+    ("amp", "distributed_amp.py", 2, ["--workers", "0", "--amp-dtype", "bfloat16"], None),  # learns
+    (
+        "accumulation",
+        "distributed_grad_accum.py",
+        2,
+        ["--workers", "1", "--accum-steps", "2"],
+        1e-5,
+    ),
+    ("fsdp", "distributed_fsdp.py", 2, ["--workers", "1"], 1e-5),
+]
 
 
 def prepare(base: Path, stream: str) -> Path:
@@ -104,8 +146,13 @@ def prepare(base: Path, stream: str) -> Path:
 
 def environment(base: Path, stream: str, counts: Path) -> dict:
     """Which stream the user's code builds, offline (no hub is reached), and where it notes what it read."""
-    return {"STREAMS": "webdataset" if stream == "webdataset" else "huggingface", "HF_DATASETS_OFFLINE": "1",
-            "HF_HUB_OFFLINE": "1", "HF_HOME": str(base / "hf-home"), "COUNTS": str(counts)}
+    return {
+        "STREAMS": "webdataset" if stream == "webdataset" else "huggingface",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(base / "hf-home"),
+        "COUNTS": str(counts),
+    }
 
 
 def run_spec(base: Path, stream: str, name: str, script: str, processes: int, flags, env=None):
@@ -126,7 +173,12 @@ def library_runs(tmp_path_factory):
         specs[stream, "one"] = ("distributed.py", 1, ["--workers", "0"], {})
         specs[stream, "two"] = ("distributed.py", 2, ["--workers", "2"], {})
     for stream, forward in TERM_IN_EPOCH_2.items():
-        specs[stream, "stopped"] = ("distributed.py", 2, ["--workers", "2"], {"TERM_AT_FORWARD": forward})
+        specs[stream, "stopped"] = (
+            "distributed.py",
+            2,
+            ["--workers", "2"],
+            {"TERM_AT_FORWARD": forward},
+        )
     for stream in ("huggingface", "webdataset"):
         for name, script, processes, flags, _ in SCRIPTS:
             specs[stream, name] = (script, processes, flags, {})
@@ -150,14 +202,19 @@ def counted(out: Path, what: str) -> collections.Counter:
 
 
 @pytest.mark.parametrize("stream", DATA)
-def test_a_library_stream_loses_nothing_with_workers_and_trains_as_one_process(stream, library_runs):
+def test_a_library_stream_loses_nothing_with_workers_and_trains_as_one_process(
+    stream, library_runs
+):
     two, one = output(library_runs, stream, "two"), output(library_runs, stream, "one")
     for run in (one, two):
         records = steps(run)
         # every full global batch of each epoch: the webdataset shards' end, on every rank after the same step
-        assert [max(r["step"] for r in records if r["epoch"] == e and "train_loss" in r) for e in (1, 2)] == [
-            FULL_STEPS[stream]] * 2
-        assert {r["val_images"] for r in records if "val_images" in r} == {200}  # each validation sample once
+        assert [
+            max(r["step"] for r in records if r["epoch"] == e and "train_loss" in r) for e in (1, 2)
+        ] == [FULL_STEPS[stream]] * 2
+        assert {r["val_images"] for r in records if "val_images" in r} == {
+            200
+        }  # each validation sample once
     assert_trained_as_the_reference(two, one, 1e-5)
     assert metrics(two)[-1]["val_acc"] > 0.9
 
@@ -184,7 +241,9 @@ def per_row(counts: collections.Counter, prefix: str) -> collections.Counter:
 
 
 @pytest.mark.parametrize("stream", DATA)
-def test_each_sample_is_read_once_over_processes_and_workers_and_decoded_once_in_a_worker(stream, library_runs):
+def test_each_sample_is_read_once_over_processes_and_workers_and_decoded_once_in_a_worker(
+    stream, library_runs
+):
     """2 processes x 2 workers, 2 epochs: the main processes alone read, each training row once an epoch (one of
     them reads each shard; a one-shard stream is read by both), and each validation row once a validation (both read
     one file); the workers collate. The start-up check adds its 256 samples of the first shard on each process,
@@ -193,35 +252,58 @@ def test_each_sample_is_read_once_over_processes_and_workers_and_decoded_once_in
     out = output(library_runs, stream, "two")
     reads, decodes = counted(out, "read"), counted(out, "decoded")
     main = {pid for pid, _ in reads}
-    collated_by = collections.Counter(pid for (pid, _), times in decodes.items() for _ in range(times))
+    collated_by = collections.Counter(
+        pid for (pid, _), times in decodes.items() for _ in range(times)
+    )
     first = {collated_by[pid] - 2 for pid in main}  # the start-up's samples, of the first shard
-    assert len(main) == 2 and len(first) == 1 and first <= {256, *DATA[stream][0]} and len(collated_by) >= 6
+    assert (
+        len(main) == 2
+        and len(first) == 1
+        and first <= {256, *DATA[stream][0]}
+        and len(collated_by) >= 6
+    )
     train, start_up, rows = per_row(reads, "1-"), 2 * first.pop(), sum(DATA[stream][0])
     readers = 2 if stream == "one file" else 1  # processes that read each training row in an epoch
-    assert len(train) == rows and max(train.values()) <= 2 * readers + 2  # 2 epochs, and the start-up's
+    assert (
+        len(train) == rows and max(train.values()) <= 2 * readers + 2
+    )  # 2 epochs, and the start-up's
     assert sum(train.values()) <= 2 * readers * rows + start_up
     validations = sum("val_images" in record for record in steps(out))
-    assert set(per_row(reads, "2-").values()) == {validations * (1 if stream == "webdataset" else 2)}
+    assert set(per_row(reads, "2-").values()) == {
+        validations * (1 if stream == "webdataset" else 2)
+    }
     assert set(per_row(decodes, "2-").values()) == {validations}
-    trained = 2 * FULL_STEPS[stream] * 32  # 2 epochs' samples, each collated once; a rank's 4 batches read ahead
-    assert trained <= sum(per_row(decodes, "1-").values()) - start_up - 4 <= trained + 2 * 2 * 4 * 16
+    trained = (
+        2 * FULL_STEPS[stream] * 32
+    )  # 2 epochs' samples, each collated once; a rank's 4 batches read ahead
+    assert (
+        trained <= sum(per_row(decodes, "1-").values()) - start_up - 4 <= trained + 2 * 2 * 4 * 16
+    )
 
 
 @pytest.mark.parametrize("stream", TERM_IN_EPOCH_2)
-def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_one(stream, library_runs):
+def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_and_on_one(
+    stream, library_runs
+):
     """Stopped in epoch 2, of 4 files of 300 rows at step 8, or of 400, 350, 250 and 200 rows at step 31, after the
     200-row one ended (step 25): continued on 2 processes and on 1, as if never stopped."""
     base, results = library_runs
     stopped, step = results[stream, "stopped"], STOPPED_AFTER[stream]
-    assert stopped.returncode != 0 and f"stopped by SIGTERM after step {step}/37 of epoch 2" in stopped.stderr, \
-        stopped.stderr
+    assert (
+        stopped.returncode != 0
+        and f"stopped by SIGTERM after step {step}/37 of epoch 2" in stopped.stderr
+    ), stopped.stderr
     folder = stopped.folder
     for name in ("on-two", "on-one"):
         shutil.copytree(folder / "stopped", folder / name)
         shutil.rmtree(folder / name / "counts")
-    again, on_one = run_parallel([run_spec(base, stream, "on-two", "distributed.py", 2, ["--workers", "2"]),
-                                  run_spec(base, stream, "on-one", "distributed.py", 1, ["--workers", "0"])],
-                                 timeout=300)
+    again, on_one = run_parallel(
+        [
+            run_spec(base, stream, "on-two", "distributed.py", 2, ["--workers", "2"]),
+            run_spec(base, stream, "on-one", "distributed.py", 1, ["--workers", "0"]),
+        ],
+        timeout=300,
+    )
     assert f"1 of 2 epochs done and {step} steps of the next" in again.stdout
     reference = output(library_runs, stream, "two")
     assert_trained_as_the_reference(folder / "on-two", reference, 1e-6)
@@ -230,27 +312,46 @@ def test_a_library_stream_stopped_mid_epoch_continues_exactly_on_two_processes_a
 
 def test_a_stream_that_splits_itself_ends_every_rank_with_one_line(tmp_path):
     """split_dataset_by_node (the step the docs say to leave out), and webdataset's default node splitter."""
-    split = COUNTED.replace("    return train.map(", "    from datasets.distributed import split_dataset_by_node\n    "
-                            "train = split_dataset_by_node(train, int(os.environ['RANK']), 2)\n    return train.map(")
+    split = COUNTED.replace(
+        "    return train.map(",
+        "    from datasets.distributed import split_dataset_by_node\n    "
+        "train = split_dataset_by_node(train, int(os.environ['RANK']), 2)\n    return train.map(",
+    )
     refused = COUNTED.replace("nodesplitter=None", "nodesplitter=wds.shardlists.single_node_only")
-    runs = {"split": (split, "huggingface", "error: the stream gives the processes different first samples"),
-            "default": (refused, "webdataset", "error: the stream cannot be read (you need to add an explicit "
-                                               "nodesplitter")}
+    runs = {
+        "split": (
+            split,
+            "huggingface",
+            "error: the stream gives the processes different first samples",
+        ),
+        "default": (
+            refused,
+            "webdataset",
+            "error: the stream cannot be read (you need to add an explicit nodesplitter",
+        ),
+    }
     started = {}
     for name, (code, streams, _) in runs.items():
         data = prepare(tmp_path, streams)
         copy = copy_with_your_functions("distributed.py", tmp_path / f"copy-{name}", code)
         (tmp_path / name).mkdir()
-        started[name] = start(launch(copy, 2, *FLAGS, "--workers", "2", "--output-dir", tmp_path / name / "out"),
-                              env=environment(tmp_path, streams, tmp_path / name), cwd=data)
+        started[name] = start(
+            launch(copy, 2, *FLAGS, "--workers", "2", "--output-dir", tmp_path / name / "out"),
+            env=environment(tmp_path, streams, tmp_path / name),
+            cwd=data,
+        )
     for name, (_, _, line) in runs.items():
         ends_every_rank_with(finish(*started[name], timeout=120), line, 2)
 
 
 # the user's own per-sample function in the webdataset pipeline, and their collate, each with a bug everyone makes
 # (a label that json already made an int, decoded again; a key misspelt) on the samples of one shard after FAIL_AFTER
-BUGGY = DOCS.replace(".shuffle(100, seed=self.seed + self.epoch)", ".shuffle(100, seed=self.seed + self.epoch)"
-                     ".map(check_sample)") + '''
+BUGGY = (
+    DOCS.replace(
+        ".shuffle(100, seed=self.seed + self.epoch)",
+        ".shuffle(100, seed=self.seed + self.epoch).map(check_sample)",
+    )
+    + """
 
 import collections
 import os
@@ -275,17 +376,24 @@ def collate(samples):
     if any(is_bad(sample, "collate") for sample in samples):
         json.loads(samples[0]["json"])["lable"]  # the user's bug, in collate
     return WDS_COLLATE(samples)
-'''
+"""
+)
 # where the bug is, on the samples of which shard, after how many of it, DataLoader workers, ranks that raise it
-BUGS = {"stream, first sample": ("stream", "part-0", 0, 0, 2),
-        "stream, mid-epoch on rank 1": ("stream", "part-3", 40, 2, 1),  # only rank 1 reads shard 3
-        "collate, first batch": ("collate", "part-0", 0, 0, 2),
-        "collate in a worker, mid-epoch on rank 1": ("collate", "part-3", 40, 2, 1)}
-ERRORS = {"stream": ("AttributeError: 'int' object has no attribute 'decode'", 'label"].decode()'),
-          "collate": ("KeyError: 'lable'", '["lable"]')}
+BUGS = {
+    "stream, first sample": ("stream", "part-0", 0, 0, 2),
+    "stream, mid-epoch on rank 1": ("stream", "part-3", 40, 2, 1),  # only rank 1 reads shard 3
+    "collate, first batch": ("collate", "part-0", 0, 0, 2),
+    "collate in a worker, mid-epoch on rank 1": ("collate", "part-3", 40, 2, 1),
+}
+ERRORS = {
+    "stream": ("AttributeError: 'int' object has no attribute 'decode'", 'label"].decode()'),
+    "collate": ("KeyError: 'lable'", '["lable"]'),
+}
 
 
-def test_an_error_in_the_users_stream_or_collate_reaches_them_as_it_is_and_ends_every_rank(tmp_path):
+def test_an_error_in_the_users_stream_or_collate_reaches_them_as_it_is_and_ends_every_rank(
+    tmp_path,
+):
     """The user's own error, with their line as the traceback's last, on each rank that raised it, whether at the
     first sample (read and collated by the start-up check) or mid-epoch on one rank, in the stream (read in the main
     process) or in collate (in the main process, or in a DataLoader worker); every process ends at once, no rank left
@@ -294,10 +402,30 @@ def test_an_error_in_the_users_stream_or_collate_reaches_them_as_it_is_and_ends_
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", BUGGY)
     for name, (where, shard, after, workers, _) in BUGS.items():
         out = tmp_path / name.replace(" ", "-").replace(",", "")
-        env = {**environment(tmp_path, "webdataset", out), "FAIL_IN": where, "FAIL_SHARD": shard,
-               "FAIL_AFTER": str(after)}
-        started[name] = (time.monotonic(), start(launch(copy, 2, *FLAGS, "--workers", str(workers), "--timeout",
-                                                        "300", "--output-dir", out), env=env, cwd=data))
+        env = {
+            **environment(tmp_path, "webdataset", out),
+            "FAIL_IN": where,
+            "FAIL_SHARD": shard,
+            "FAIL_AFTER": str(after),
+        }
+        started[name] = (
+            time.monotonic(),
+            start(
+                launch(
+                    copy,
+                    2,
+                    *FLAGS,
+                    "--workers",
+                    str(workers),
+                    "--timeout",
+                    "300",
+                    "--output-dir",
+                    out,
+                ),
+                env=env,
+                cwd=data,
+            ),
+        )
     for name, (began, (proc, marker)) in started.items():
         result, (where, *_, ranks) = finish(proc, marker, timeout=240), BUGS[name]
         assert result.returncode != 0 and time.monotonic() - began < 150, result.stderr
@@ -305,4 +433,7 @@ def test_an_error_in_the_users_stream_or_collate_reaches_them_as_it_is_and_ends_
         assert result.stderr.count(error) >= ranks, result.stderr
         for traceback in result.stderr.split(error)[:-1]:  # each one's last frame: the user's line
             last = re.findall(r'File "([^"]+)", line \d+, in (\w+)\n\s*(.*)', traceback)[-1]
-            assert Path(last[0]).name == "distributed.py" and line in last[2], (name, traceback[-2000:])
+            assert Path(last[0]).name == "distributed.py" and line in last[2], (
+                name,
+                traceback[-2000:],
+            )

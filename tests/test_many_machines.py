@@ -4,18 +4,44 @@ learns, and a stopped run continues exactly. distributed_diloco.py, proved as ev
 process are plain training, a run stopped within an inner cycle continues exactly (every process's copy and inner
 optimizer are in the checkpoint), on another number of processes it ends in one line, its records count the bytes
 each process sends, and the main job learns."""
+
 from __future__ import annotations
 
 import pytest
-import torch
 
-from processes import (TINY, ends_every_rank_with, max_weight_difference, metrics, python, run, run_parallel, steps,
-                       torchrun, weights)
+from processes import (
+    TINY,
+    ends_every_rank_with,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    run_parallel,
+    steps,
+    torchrun,
+    weights,
+)
 
 EXACT = [*TINY, "--no-augment"]  # 32 steps an epoch, 3 epochs, a record every 10 steps
 AS_DDP = ["--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]
-MAIN_JOB = ["--dataset", "fake", "--fake-size", "1024", "--image-size", "16", "--arch", "resnet18",
-            "--batch-size", "64", "--epochs", "3", "--ema", "0.9", "--workers", "0"]  # the README's, H = 8
+MAIN_JOB = [
+    "--dataset",
+    "fake",
+    "--fake-size",
+    "1024",
+    "--image-size",
+    "16",
+    "--arch",
+    "resnet18",
+    "--batch-size",
+    "64",
+    "--epochs",
+    "3",
+    "--ema",
+    "0.9",
+    "--workers",
+    "0",
+]  # the README's, H = 8
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +54,33 @@ def runs(tmp_path_factory):
         "ddp": torchrun(2, "distributed.py", *EXACT),
         "as ddp": torchrun(2, "distributed_diloco.py", *EXACT, *AS_DDP),
         "plain": python("distributed.py", *EXACT),
-        "one process": python("distributed_diloco.py", *EXACT, "--inner-steps", "8", "--outer-lr", "1",
-                              "--outer-momentum", "0"),
+        "one process": python(
+            "distributed_diloco.py",
+            *EXACT,
+            "--inner-steps",
+            "8",
+            "--outer-lr",
+            "1",
+            "--outer-momentum",
+            "0",
+        ),
         "straight": torchrun(2, "distributed_diloco.py", *EXACT, "--inner-steps", "7"),
-        "stopped": torchrun(2, "distributed_diloco.py", *EXACT, "--inner-steps", "7", "--stop-after", "1"),
+        "stopped": torchrun(
+            2, "distributed_diloco.py", *EXACT, "--inner-steps", "7", "--stop-after", "1"
+        ),
         # H = 8, and outer momentum 0.5: DiLoCo's 0.9, made for hundreds of outer steps, overshoots in these 6
         "main job": torchrun(2, "distributed_diloco.py", *MAIN_JOB, "--outer-momentum", "0.5"),
         "bf16 main job": torchrun(2, "distributed.py", *MAIN_JOB, "--comm-hook", "bf16"),
         "bf16 straight": torchrun(2, "distributed.py", *EXACT, "--comm-hook", "bf16"),
-        "bf16 stopped": torchrun(2, "distributed.py", *EXACT, "--comm-hook", "bf16", "--stop-after", "1"),
+        "bf16 stopped": torchrun(
+            2, "distributed.py", *EXACT, "--comm-hook", "bf16", "--stop-after", "1"
+        ),
     }
-    results = run_parallel([(cmd + ["--output-dir", base / name], None) for name, cmd in commands.items()],
-                           timeout=400, at_once=4)
+    results = run_parallel(
+        [(cmd + ["--output-dir", base / name], None) for name, cmd in commands.items()],
+        timeout=400,
+        at_once=4,
+    )
     return base, dict(zip(commands, results))
 
 
@@ -55,12 +96,21 @@ def test_one_inner_step_with_outer_lr_1_and_no_outer_momentum_trains_what_ddp_tr
 def test_a_run_stopped_within_an_inner_cycle_continues_exactly_and_only_on_as_many_processes(runs):
     base, _ = runs
     stopped = base / "stopped"
-    on_one = run(python("distributed_diloco.py", *EXACT, "--inner-steps", "7", "--output-dir", stopped),
-                 check=False, timeout=120)
-    ends_every_rank_with(on_one, "error: this checkpoint holds the copies and inner optimizers of 2 processes: "
-                                 "continue it on 2 processes", ranks=1)
-    continued = run(torchrun(2, "distributed_diloco.py", *EXACT, "--inner-steps", "7", "--output-dir", stopped),
-                    timeout=180)
+    on_one = run(
+        python("distributed_diloco.py", *EXACT, "--inner-steps", "7", "--output-dir", stopped),
+        check=False,
+        timeout=120,
+    )
+    ends_every_rank_with(
+        on_one,
+        "error: this checkpoint holds the copies and inner optimizers of 2 processes: "
+        "continue it on 2 processes",
+        ranks=1,
+    )
+    continued = run(
+        torchrun(2, "distributed_diloco.py", *EXACT, "--inner-steps", "7", "--output-dir", stopped),
+        timeout=180,
+    )
     assert "1 of 3 epochs done" in continued.stdout
     assert max_weight_difference(stopped, base / "straight") <= 1e-6
     # the weights of the last outer step: before each epoch's end, and at the run's end
@@ -69,11 +119,18 @@ def test_a_run_stopped_within_an_inner_cycle_continues_exactly_and_only_on_as_ma
 
 def test_records_count_the_bytes_each_process_sends_and_the_main_job_learns(runs):
     base, _ = runs
-    params = sum(t.nbytes for t in weights(base / "straight").values() if t.is_floating_point())  # and statistics
+    params = sum(
+        t.nbytes for t in weights(base / "straight").values() if t.is_floating_point()
+    )  # and statistics
     # a ring all-reduce of 2 processes sends the tensor once from each: at global steps 7, 14, ..., 91 and 96
     records = [r for r in steps(base / "straight") if "train_loss" in r]
-    spans = [r["global_step"] - before for r, before in zip(records, [0] + [r["global_step"] for r in records])]
-    assert sum(r["sent_mb_per_step"] * span for r, span in zip(records, spans)) == pytest.approx(14 * params / 1e6)
+    spans = [
+        r["global_step"] - before
+        for r, before in zip(records, [0] + [r["global_step"] for r in records])
+    ]
+    assert sum(r["sent_mb_per_step"] * span for r, span in zip(records, spans)) == pytest.approx(
+        14 * params / 1e6
+    )
     assert {r["sent_mb_per_step"] for r in steps(base / "one process") if "train_loss" in r} == {0}
     assert metrics(base / "main job")[-1]["val_acc"] >= 0.9
 
@@ -81,7 +138,12 @@ def test_records_count_the_bytes_each_process_sends_and_the_main_job_learns(runs
 def test_gradients_all_reduced_in_bfloat16_learn_and_a_stopped_run_continues_exactly(runs):
     base, _ = runs
     stopped = base / "bf16 stopped"
-    run(torchrun(2, "distributed.py", *EXACT, "--comm-hook", "bf16", "--output-dir", stopped), timeout=180)
+    run(
+        torchrun(2, "distributed.py", *EXACT, "--comm-hook", "bf16", "--output-dir", stopped),
+        timeout=180,
+    )
     assert max_weight_difference(stopped, base / "bf16 straight") <= 1e-6
-    assert 0 < max_weight_difference(base / "bf16 straight", base / "ddp") < 0.05  # rounded gradients, close ones
+    assert (
+        0 < max_weight_difference(base / "bf16 straight", base / "ddp") < 0.05
+    )  # rounded gradients, close ones
     assert metrics(base / "bf16 main job")[-1]["val_acc"] >= 0.9

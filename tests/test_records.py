@@ -1,17 +1,30 @@
 """Watching a long run: steps.jsonl, TensorBoard and Weights & Biases every few steps, unbroken by a crash between two
 checkpoints, and one line where the tensorboard or wandb package is missing. (Records of 2 processes equal those of 1 in
 test_distributed.py, of accumulated micro-batches in test_techniques.py, of a token loss in test_text_and_lists.py.)"""
+
 from __future__ import annotations
 
 import pytest
 
-from processes import (OFFLINE, TINY, assert_same_records, assert_wandb_equals_the_records,
-                       ends_every_rank_with, max_weight_difference, metrics, run, run_parallel, steps, torchrun)
+from processes import (
+    OFFLINE,
+    TINY,
+    assert_same_records,
+    assert_wandb_equals_the_records,
+    ends_every_rank_with,
+    max_weight_difference,
+    metrics,
+    run,
+    run_parallel,
+    steps,
+    torchrun,
+)
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").replace(
     """def build_model(args, num_classes):
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))""", """\
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))""",
+    """\
 import signal
 
 
@@ -27,35 +40,65 @@ class KilledAt(nn.Sequential):
 
 
 def build_model(args, num_classes):  # dropout: the checkpoint keeps the random stream it draws from
-    return KilledAt(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, num_classes))""")
+    return KilledAt(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, num_classes))""",
+)
 
 # 62 steps an epoch; in epoch 2, a checkpoint at step 25 (global step 87), then training records at 28 and 35 and a
 # validation at 30 (global 90, 97, 92); a kill in step 38 (between two checkpoints) or 27 (2 steps after one): what
 # followed the checkpoint is written again. W&B offline, as it comes (processes.OFFLINE): its service writes what it
 # got every 15 s, and dies with the rank. The moving average of the weights continues exactly too
-WATCHED = [*COMMON, "--save-every", "25", "--print-freq", "7", "--eval-every", "15", "--tensorboard",
-           "--wandb", "ddp-scripts-tests", "--ema", "0.5"]
-KILLS = {"between": (str(1 + 62 + 38), [77, 83, 90, 92, 97]),  # the start-up check's forward, epoch 1, epoch 2's
-         "after": (str(1 + 62 + 27), [69, 76, 77, 83])}  # the last records before the checkpoint (62 + 25 = 87)
+WATCHED = [
+    *COMMON,
+    "--save-every",
+    "25",
+    "--print-freq",
+    "7",
+    "--eval-every",
+    "15",
+    "--tensorboard",
+    "--wandb",
+    "ddp-scripts-tests",
+    "--ema",
+    "0.5",
+]
+KILLS = {
+    "between": (
+        str(1 + 62 + 38),
+        [77, 83, 90, 92, 97],
+    ),  # the start-up check's forward, epoch 1, epoch 2's
+    "after": (str(1 + 62 + 27), [69, 76, 77, 83]),
+}  # the last records before the checkpoint (62 + 25 = 87)
 
 
 def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
     """What TensorBoard shows: each tag's (step, value) points, read back as TensorBoard reads them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(output_dir / "tensorboard"), size_guidance={"scalars": 0})  # keep every point
+
+    events = EventAccumulator(
+        str(output_dir / "tensorboard"), size_guidance={"scalars": 0}
+    )  # keep every point
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
 
 
 def assert_tensorboard_equals_the_records(output_dir) -> None:
     records, scalars = steps(output_dir), tensorboard_scalars(output_dir)
     expected = {key for record in records for key, value in record.items() if value is not None} - {
-        "epoch", "step", "global_step"}  # the position is the points' step
+        "epoch",
+        "step",
+        "global_step",
+    }  # the position is the points' step
     assert scalars.keys() == expected
     for tag, points in scalars.items():
         wanted = [(r["global_step"], r[tag]) for r in records if r.get(tag) is not None]
-        assert [step for step, _ in points] == [step for step, _ in wanted], tag  # none twice, none missing
-        assert [value for _, value in points] == pytest.approx([value for _, value in wanted], rel=1e-6), tag
+        assert [step for step, _ in points] == [step for step, _ in wanted], (
+            tag
+        )  # none twice, none missing
+        assert [value for _, value in points] == pytest.approx(
+            [value for _, value in wanted], rel=1e-6
+        ), tag
 
 
 def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path):
@@ -64,16 +107,35 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
     it, which spans it, equals the straight run's too (the checkpoint keeps its sums); TensorBoard purges what the
     continued run rewrites; W&B, which lost what it got last before the kill, holds every record of the run."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", KILLED_AT_A_KNOWN_STEP)
-    runs = {name: (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name), {**OFFLINE, "KILL_AT_FORWARD": kill},
-                   tmp_path) for name, (kill, _) in KILLS.items()}
-    straight, *killed = run_parallel([(launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), OFFLINE,
-                                       tmp_path), *runs.values()], check=False)
+    runs = {
+        name: (
+            launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name),
+            {**OFFLINE, "KILL_AT_FORWARD": kill},
+            tmp_path,
+        )
+        for name, (kill, _) in KILLS.items()
+    }
+    straight, *killed = run_parallel(
+        [
+            (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), OFFLINE, tmp_path),
+            *runs.values(),
+        ],
+        check=False,
+    )
     assert straight.returncode == 0, straight.stderr
     for (name, (_, last_records)), result in zip(KILLS.items(), killed):
-        assert result.returncode != 0 and "Signal 9 (SIGKILL) received" in result.stderr, result.stderr
-        assert [r["global_step"] for r in steps(tmp_path / name)][-len(last_records):] == last_records
-    continued = run_parallel([(launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name), OFFLINE, tmp_path)
-                              for name in KILLS])
+        assert result.returncode != 0 and "Signal 9 (SIGKILL) received" in result.stderr, (
+            result.stderr
+        )
+        assert [r["global_step"] for r in steps(tmp_path / name)][
+            -len(last_records) :
+        ] == last_records
+    continued = run_parallel(
+        [
+            (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name), OFFLINE, tmp_path)
+            for name in KILLS
+        ]
+    )
     for name, result in zip(KILLS, continued):
         out = tmp_path / name
         assert "1 of 3 epochs done and 25 steps of the next" in result.stdout
@@ -81,8 +143,12 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
         assert max_weight_difference(out, tmp_path / "straight") <= 1e-6
         assert metrics(out)[-1]["val_acc"] > 0.9 and metrics(out)[-1]["val_acc_ema"] > 0.9
         assert_tensorboard_equals_the_records(out)
-        assert len(list((out / "tensorboard").iterdir())) == 2  # one event file a run; the reader purges the first's
-        assert_wandb_equals_the_records(out, runs=2)  # the same run, continued: every record, in order
+        assert (
+            len(list((out / "tensorboard").iterdir())) == 2
+        )  # one event file a run; the reader purges the first's
+        assert_wandb_equals_the_records(
+            out, runs=2
+        )  # the same run, continued: every record, in order
     assert_tensorboard_equals_the_records(tmp_path / "straight")
     assert_wandb_equals_the_records(tmp_path / "straight", runs=1)
 
@@ -91,12 +157,20 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
 def test_a_tracker_without_its_package_ends_every_rank_with_one_line(package, tmp_path):
     """Asked for --tensorboard or --wandb without the package: one line before any data or model is built, on every
     rank."""
-    missing = tmp_path / "site" / package  # on the path first: `import PACKAGE` fails as if not installed
+    missing = (
+        tmp_path / "site" / package
+    )  # on the path first: `import PACKAGE` fails as if not installed
     missing.mkdir(parents=True)
-    (missing / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}'\")\n")
+    (missing / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{package}'\")\n"
+    )
     flag = ["--tensorboard"] if package == "tensorboard" else ["--wandb", "ddp-scripts-tests"]
-    result = run(torchrun(2, "distributed.py", *TINY, *flag, "--output-dir", tmp_path / "out"),
-                 env={"PYTHONPATH": str(missing.parent), **OFFLINE}, timeout=60, check=False)
+    result = run(
+        torchrun(2, "distributed.py", *TINY, *flag, "--output-dir", tmp_path / "out"),
+        env={"PYTHONPATH": str(missing.parent), **OFFLINE},
+        timeout=60,
+        check=False,
+    )
     line = f"error: --{package} needs the {package} package: pip install {package}"
     # before the rendezvous no rank can wait for another: torchrun stops the other worker once one has failed,
     # which may be before that one's own check (seen in about half the runs)
@@ -106,9 +180,28 @@ def test_a_tracker_without_its_package_ends_every_rank_with_one_line(package, tm
 
 def test_wandb_without_a_login_ends_every_rank_with_one_line(tmp_path):
     """--wandb online with no API key (no ~/.netrc in this HOME): wandb's error, as one line on every rank."""
-    env = {"HOME": str(tmp_path), "WANDB_MODE": "online", "WANDB_API_KEY": "", "WANDB_SILENT": "true"}
-    result = run(torchrun(2, "distributed.py", *TINY, "--epochs", "1", "--wandb", "ddp-scripts-tests",
-                          "--output-dir", tmp_path / "out"), env=env, timeout=60, check=False)
+    env = {
+        "HOME": str(tmp_path),
+        "WANDB_MODE": "online",
+        "WANDB_API_KEY": "",
+        "WANDB_SILENT": "true",
+    }
+    result = run(
+        torchrun(
+            2,
+            "distributed.py",
+            *TINY,
+            "--epochs",
+            "1",
+            "--wandb",
+            "ddp-scripts-tests",
+            "--output-dir",
+            tmp_path / "out",
+        ),
+        env=env,
+        timeout=60,
+        check=False,
+    )
     ends_every_rank_with(result, "error: --wandb cannot start its run (No API key configured.")
 
 
@@ -116,9 +209,13 @@ def test_the_records_plot_as_curves(reference, tmp_path):
     """tests/plot_records.py, which drew docs/curves.svg: one line per series, every record a point."""
     import xml.etree.ElementTree as ET
     from plot_records import read, svg
+
     points = read(reference["two"] / "steps.jsonl")
     (tmp_path / "curves.svg").write_text(svg(points, "the reference job"))
-    lines = ET.parse(tmp_path / "curves.svg").getroot().findall("{http://www.w3.org/2000/svg}polyline")
-    assert [len(line.get("points").split()) for line in lines] == [len(points[k]) for k in
-                                                                   ("train_loss", "val_loss", "val_acc")]
+    lines = (
+        ET.parse(tmp_path / "curves.svg").getroot().findall("{http://www.w3.org/2000/svg}polyline")
+    )
+    assert [len(line.get("points").split()) for line in lines] == [
+        len(points[k]) for k in ("train_loss", "val_loss", "val_acc")
+    ]
     assert len(points["train_loss"]) == 12 and len(points["val_loss"]) == 9  # 4 and 3 an epoch

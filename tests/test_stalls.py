@@ -1,28 +1,44 @@
 """No silent hang: a rank stuck in the user's code, in a DataLoader worker or in validation ends every rank within
 --timeout and a few seconds, and each says one line that names the stalled rank, its step and its line of code; a slow
 run that moves is no stall. DataLoader workers start from a forkserver, so that none can deadlock at its start."""
+
 from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from processes import PYTHON, ROOT, ends_every_rank_with, finish, free_port, python, run, start, steps
+from processes import (
+    PYTHON,
+    ROOT,
+    ends_every_rank_with,
+    finish,
+    free_port,
+    python,
+    run,
+    start,
+    steps,
+)
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
 BOUND = 12
 # before training the others wait for the stalled rank from the collective they reach a few seconds after its stall
 START_UP_BOUND = 15
-STUCK = 'time.sleep(float(os.environ["STALL_SECONDS"]))  # stuck: a deadlock, a read that never returns'
+STUCK = (
+    'time.sleep(float(os.environ["STALL_SECONDS"]))  # stuck: a deadlock, a read that never returns'
+)
 
 # compute_loss and collate that stall at a chosen call, on rank 1 only
-YOURS = "import io\nimport time\n" + YOUR_CLASSIFICATION.replace("""def compute_loss(outputs, targets):
-    return F.cross_entropy(outputs, targets)""", f"""def on_rank_1():
+YOURS = (
+    "import io\nimport time\n"
+    + YOUR_CLASSIFICATION.replace(
+        """def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)""",
+        f"""def on_rank_1():
     return os.environ.get("RANK", str(dist.get_rank() if dist.is_initialized() else 0)) == "1"
 
 
@@ -47,15 +63,25 @@ def collate(samples):
     if on_rank_1() and {{when_collate}}:
         Path(os.environ["STALL_FILE"]).write_text(str(time.time()))
         {STUCK}
-    return default_collate(samples)""").replace("""def build_datasets(args):
-""", f"""def build_datasets(args):
+    return default_collate(samples)""",
+    )
+    .replace(
+        """def build_datasets(args):
+""",
+        f"""def build_datasets(args):
     if slow_start_up("build_datasets"):
         {STUCK}
-""").replace("""def build_model(args, num_classes):
-""", f"""def build_model(args, num_classes):
+""",
+    )
+    .replace(
+        """def build_model(args, num_classes):
+""",
+        f"""def build_model(args, num_classes):
     if slow_start_up("build_model"):
         {STUCK}
-""") + f"""
+""",
+    )
+    + f"""
 
 def slow_start_up(function):
     # START_UP: "FUNCTION RANKS": those ranks take STALL_SECONDS in it (a fetch, a tokenisation pass)
@@ -89,13 +115,19 @@ def save_to_a_disk(obj, f, *args, **kwargs):
 real_save = torch.save
 torch.save = save_to_a_disk
 """
+)
 
 CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags, the function the line names)
     # the 4th loss: the start-up check's, then steps 1 to 3
     "compute_loss": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
     "collate": ("distributed.py", "False", "COLLATES == 6", [], "collate"),
-    "worker": ("distributed.py", "False", "torch.utils.data.get_worker_info() and COLLATES == 3", ["--workers", "2"],
-               "collate"),
+    "worker": (
+        "distributed.py",
+        "False",
+        "torch.utils.data.get_worker_info() and COLLATES == 3",
+        ["--workers", "2"],
+        "collate",
+    ),
     "validation": ("distributed.py", "not torch.is_grad_enabled()", "False", [], "compute_loss"),
     "fsdp": ("distributed_fsdp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "mp": ("distributed_mp.py", "LOSSES == 4", "False", [], "compute_loss"),
@@ -111,12 +143,24 @@ CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags
     # every rank 35 s in build_datasets: no rank waits for another, so no stall
     "slow_start": ("distributed.py", "False", "False", ["--epochs", "1"], None),
     # rank 0 alone 35 s in build_datasets, rank 1 waiting for it under --timeout 60
-    "slow_start_rank_0": ("distributed.py", "False", "False", ["--epochs", "1", "--timeout", "60"], None),
+    "slow_start_rank_0": (
+        "distributed.py",
+        "False",
+        "False",
+        ["--epochs", "1", "--timeout", "60"],
+        None,
+    ),
     # a checkpoint written a byte at a time over 1.5 x --timeout: it moves
     "slow_save": ("distributed.py", "False", "False", ["--epochs", "1"], None),
 }
 # how long these sleep at each call; the others, for ever
-SECONDS = {"slow": 0.6 * TIMEOUT, "slow_data": 0.2, "slow_start": 35, "slow_start_rank_0": 35, "slow_save": 0}
+SECONDS = {
+    "slow": 0.6 * TIMEOUT,
+    "slow_data": 0.2,
+    "slow_start": 35,
+    "slow_start_rank_0": 35,
+    "slow_save": 0,
+}
 ENV = {
     "start_up": {"START_UP": "build_model 1"},
     "save": {"SAVE": "stuck"},
@@ -140,11 +184,24 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
         copy = copy_with_your_functions(script, base / name / "copy", user_code(name))
         out, stall_file = base / name / "out", base / name / "stalled_at"
         args = [*COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags]
-        env = {"STALL_FILE": str(stall_file), "STALL_SECONDS": str(SECONDS.get(name, 3600)), **ENV.get(name, {})}
+        env = {
+            "STALL_FILE": str(stall_file),
+            "STALL_SECONDS": str(SECONDS.get(name, 3600)),
+            **ENV.get(name, {}),
+        }
         if name == "by_hand":
             port = str(free_port())
-            started[name] = ([start(python(copy, *args, "--ip", "127.0.0.1", "--port", port),
-                                    {**env, "RANK": str(rank), "WORLD_SIZE": "2"}) for rank in (0, 1)], stall_file, out)
+            started[name] = (
+                [
+                    start(
+                        python(copy, *args, "--ip", "127.0.0.1", "--port", port),
+                        {**env, "RANK": str(rank), "WORLD_SIZE": "2"},
+                    )
+                    for rank in (0, 1)
+                ],
+                stall_file,
+                out,
+            )
         else:
             started[name] = ([start(launch(copy, 2, *args), env)], stall_file, out)
     ended, deadline = {}, time.monotonic() + 240
@@ -157,8 +214,12 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
     for name, (procs, stall_file, out) in started.items():
         # a run still going after 240 s fails here, with its output
         done = [finish(proc, marker, timeout=1) for proc, marker in procs]
-        result = subprocess.CompletedProcess(done[0].args, max(r.returncode for r in done),
-                                             "".join(r.stdout for r in done), "".join(r.stderr for r in done))
+        result = subprocess.CompletedProcess(
+            done[0].args,
+            max(r.returncode for r in done),
+            "".join(r.stdout for r in done),
+            "".join(r.stderr for r in done),
+        )
         since = ended[name] - float(stall_file.read_text()) if stall_file.exists() else None
         results[name] = (result, since, out)
     return results
@@ -171,9 +232,13 @@ def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stal
     bound = START_UP_BOUND if name == "start_up" else BOUND
     assert since is not None and since <= TIMEOUT + bound, (since, result.stderr)
     # the line: rank 1, its epoch and step (the 4th loss is step 3's; validation after epoch 1's last step, 20)
-    position = {"validation": "in validation after step 20 of epoch 1", "collate": "at step 2 of epoch 1",
-                "worker": r"at step \d+ of epoch 1", "start_up": "before training",
-                "save": "at step 20 of epoch 1"}.get(name, "at step 3 of epoch 1")
+    position = {
+        "validation": "in validation after step 20 of epoch 1",
+        "collate": "at step 2 of epoch 1",
+        "worker": r"at step \d+ of epoch 1",
+        "start_up": "before training",
+        "save": "at step 20 of epoch 1",
+    }.get(name, "at step 3 of epoch 1")
     lines = (out.parent / "copy" / script).read_text().splitlines()
     stuck_in = function
     begins = next(i for i, text in enumerate(lines) if text.startswith(f"def {stuck_in}("))
@@ -182,16 +247,25 @@ def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stal
     rank, what = "1", r"made no progress for \d+ s"
     if name == "save":  # rank 0, and the file it was writing
         rank, what = "0", rf"wrote nothing to {re.escape(str(out))}/checkpoint\.pt for \d+ s"
-    pattern = (rf"error: rank {rank} {what} {position}, in {stuck_in} \({script}:{line_number}\)"
-               rf"{worker}; "
-               rf"the other ranks waited for it in a collective; every rank's stacks in {re.escape(str(out))}/stalls/")
+    pattern = (
+        rf"error: rank {rank} {what} {position}, in {stuck_in} \({script}:{line_number}\)"
+        rf"{worker}; "
+        rf"the other ranks waited for it in a collective; every rank's stacks in {re.escape(str(out))}/stalls/"
+    )
     if name == "mp":  # the parent says its children's line once
-        assert result.returncode == 1 and re.fullmatch(pattern, result.stderr.strip().splitlines()[-1]), result.stderr
+        assert result.returncode == 1 and re.fullmatch(
+            pattern, result.stderr.strip().splitlines()[-1]
+        ), result.stderr
     else:
         ends_every_rank_with(result, f"error: rank {rank} ")
-        assert all(re.fullmatch(pattern, line) for line in result.stderr.splitlines()
-                   if line.startswith("error:")), result.stderr
-    assert not re.search(r'File ".*/copy/', result.stderr), result.stderr  # no traceback through the user's copy
+        assert all(
+            re.fullmatch(pattern, line)
+            for line in result.stderr.splitlines()
+            if line.startswith("error:")
+        ), result.stderr
+    assert not re.search(r'File ".*/copy/', result.stderr), (
+        result.stderr
+    )  # no traceback through the user's copy
     # every rank's stacks; the stalled one's show the user's function, in its worker where it waited for one
     stacks = {r: (out / "stalls" / f"rank{r}.txt").read_text() for r in (0, 1)}
     other = "1" if rank == "0" else "0"
@@ -211,7 +285,9 @@ def test_the_records_name_the_rank_that_waited_longest_for_its_data(stalled):
     """Rank 1's batches come 0.2 s late each (its collate sleeps): every record says rank 1 waited about 5 x 0.2 s."""
     records = [record for record in steps(stalled["slow_data"][2]) if "train_loss" in record]
     assert len(records) == 4 and all(record["data_wait_rank"] == 1 for record in records), records
-    assert all(0.6 <= record["data_wait_max_s"] < 3 for record in records), records  # the last: 4 batches read
+    assert all(0.6 <= record["data_wait_max_s"] < 3 for record in records), (
+        records
+    )  # the last: 4 batches read
 
 
 def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
@@ -247,19 +323,30 @@ if __name__ == "__main__":  # the forkserver imports this file, as it imports a 
 """
     script = tmp_path / "start_workers.py"
     script.write_text(code)
-    result = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script], timeout=240)
+    result = run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script],
+        timeout=240,
+    )
     assert result.stdout.count("started 150") == 2, result.stdout
 
 
 def test_a_dataset_that_cannot_go_to_a_worker_ends_every_rank_with_one_line(tmp_path):
     """Workers start from a forkserver, so what they run must pickle: a lambda in the Dataset is named before
     training, in one line on every rank, where a fork took it and a forkserver would fail with a traceback."""
-    lambda_inside = YOUR_CLASSIFICATION.replace("""def build_datasets(args):
-    return Blobs(640, seed=1), Blobs(203, seed=2), 4""", """def build_datasets(args):
+    lambda_inside = YOUR_CLASSIFICATION.replace(
+        """def build_datasets(args):
+    return Blobs(640, seed=1), Blobs(203, seed=2), 4""",
+        """def build_datasets(args):
     train = Blobs(640, seed=1)
     train.transform = lambda x: x
-    return train, Blobs(203, seed=2), 4""")
+    return train, Blobs(203, seed=2), 4""",
+    )
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", lambda_inside)
-    result = run(launch(copy, 2, *COMMON, "--workers", "2", "--output-dir", tmp_path / "out"), check=False)
-    ends_every_rank_with(result, "error: the Dataset or collate cannot go to a DataLoader worker (Can't pickle local "
-                                 "object 'build_datasets.<locals>.<lambda>'): define their functions at module level")
+    result = run(
+        launch(copy, 2, *COMMON, "--workers", "2", "--output-dir", tmp_path / "out"), check=False
+    )
+    ends_every_rank_with(
+        result,
+        "error: the Dataset or collate cannot go to a DataLoader worker (Can't pickle local "
+        "object 'build_datasets.<locals>.<lambda>'): define their functions at module level",
+    )

@@ -1,5 +1,6 @@
 """distributed_amp.py, distributed_grad_accum.py, torch.compile, and the moving average of the weights (--ema, in
 every script: its equalities are checked wherever the tiny job's weights are, see processes.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,19 @@ import torch
 import torch.nn as nn
 
 import utils
-from processes import (EVAL_EVERY, MEASURED, TINY, assert_same_records, max_weight_difference, metrics, python, run,
-                       steps, torchrun, weights)
+from processes import (
+    EVAL_EVERY,
+    MEASURED,
+    TINY,
+    assert_same_records,
+    max_weight_difference,
+    metrics,
+    python,
+    run,
+    steps,
+    torchrun,
+    weights,
+)
 
 SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CPU
 
@@ -19,8 +31,18 @@ SMALL = [*TINY, "--fake-size", "320", "--no-augment"]  # float16 is slow on a CP
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mixed_precision_learns(dtype, tmp_path):
     out = tmp_path / dtype
-    result = run(torchrun(2, "distributed_amp.py", *TINY, "--no-augment", "--amp-dtype", dtype,
-                          "--output-dir", out))
+    result = run(
+        torchrun(
+            2,
+            "distributed_amp.py",
+            *TINY,
+            "--no-augment",
+            "--amp-dtype",
+            dtype,
+            "--output-dir",
+            out,
+        )
+    )
     assert f"autocast torch.{dtype}" in result.stdout
     final = metrics(out)[-1]
     assert final["val_acc"] > 0.5, final  # chance is 0.1
@@ -30,16 +52,26 @@ def test_mixed_precision_learns(dtype, tmp_path):
 def test_float16_overflow_is_skipped_and_continues_exactly(tmp_path):
     """A loss scale of 2^30 overflows float16 gradients: those steps are skipped, the
     weights stay finite, and a continued run ends exactly where an uninterrupted one does."""
-    args = [*SMALL, "--amp-dtype", "float16", "--init-scale", str(2.0 ** 30)]
+    args = [*SMALL, "--amp-dtype", "float16", "--init-scale", str(2.0**30)]
     run(python("distributed_amp.py", *args, "--output-dir", tmp_path / "straight"))
-    run(python("distributed_amp.py", *args, "--stop-after", "1", "--output-dir", tmp_path / "resumed"))
+    run(
+        python(
+            "distributed_amp.py", *args, "--stop-after", "1", "--output-dir", tmp_path / "resumed"
+        )
+    )
     run(python("distributed_amp.py", *args, "--output-dir", tmp_path / "resumed"))
     first_epoch = metrics(tmp_path / "straight")[0]
-    assert first_epoch["skipped_steps"] >= 10 and first_epoch["loss_scale"] < 2.0 ** 30
-    assert all(math.isfinite(v) for w in weights(tmp_path / "straight").values() for v in w.flatten().tolist())
+    assert first_epoch["skipped_steps"] >= 10 and first_epoch["loss_scale"] < 2.0**30
+    assert all(
+        math.isfinite(v)
+        for w in weights(tmp_path / "straight").values()
+        for v in w.flatten().tolist()
+    )
     assert max_weight_difference(tmp_path / "straight", tmp_path / "resumed") <= 1e-6
-    learned = [[{k: v for k, v in m.items() if k not in MEASURED} for m in metrics(tmp_path / run)]
-               for run in ("straight", "resumed")]
+    learned = [
+        [{k: v for k, v in m.items() if k not in MEASURED} for m in metrics(tmp_path / run)]
+        for run in ("straight", "resumed")
+    ]
     assert learned[0] == learned[1]  # losses, accuracies, skipped steps and loss scale alike
 
 
@@ -47,8 +79,19 @@ def test_accumulation_equals_one_big_batch(tmp_path, reference):
     """2 processes x 4 micro-batches of 4 == 1 process x batch 32: weights, epochs and the records of steps.jsonl,
     one per optimizer step, never per micro-batch."""
     out = tmp_path / "accum"
-    run(torchrun(2, "distributed_grad_accum.py", *TINY, "--no-augment", *EVAL_EVERY, "--accum-steps", "4",
-                 "--output-dir", out))
+    run(
+        torchrun(
+            2,
+            "distributed_grad_accum.py",
+            *TINY,
+            "--no-augment",
+            *EVAL_EVERY,
+            "--accum-steps",
+            "4",
+            "--output-dir",
+            out,
+        )
+    )
     assert max_weight_difference(out, reference["one"]) <= 1e-5
     for a, b in zip(metrics(out), metrics(reference["one"])):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
@@ -56,20 +99,34 @@ def test_accumulation_equals_one_big_batch(tmp_path, reference):
 
 
 def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path):
-    result = run(torchrun(2, "tests/count_allreduce.py", *TINY, "--no-augment", "--accum-steps", "4",
-                          "--output-dir", tmp_path))
+    result = run(
+        torchrun(
+            2,
+            "tests/count_allreduce.py",
+            *TINY,
+            "--no-augment",
+            "--accum-steps",
+            "4",
+            "--output-dir",
+            tmp_path,
+        )
+    )
     counts = json.loads(result.stdout.strip().splitlines()[-1])
     assert counts["optimizer_steps"] == counts["micro_batches"] // 4 > 0
     assert counts["all_reduces"] == counts["optimizer_steps"]
 
 
 def test_accumulation_rejects_an_uneven_micro_batch(tmp_path):
-    result = run(python("distributed_grad_accum.py", *TINY, "--accum-steps", "3",
-                        "--output-dir", tmp_path), timeout=60, check=False)
+    result = run(
+        python("distributed_grad_accum.py", *TINY, "--accum-steps", "3", "--output-dir", tmp_path),
+        timeout=60,
+        check=False,
+    )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --batch-size 32 does not split evenly over 1 processes x 3 micro-batches: "
-        "use a multiple of 3")
+        "use a multiple of 3"
+    )
 
 
 def test_compiled_step_trains_the_same_model_with_plain_checkpoint_keys(tmp_path, reference):
@@ -78,8 +135,19 @@ def test_compiled_step_trains_the_same_model_with_plain_checkpoint_keys(tmp_path
     out = tmp_path / "compiled"
     # one process, kernels compiled in it: inductor's pool of compile workers has crashed 2-process
     # runs on this 2-core machine at exit (SIGABRT after the last checkpoint), once in several runs
-    run(python("distributed.py", *TINY, "--no-augment", "--compile-mode", "reduce-overhead", "--output-dir", out),
-        timeout=300, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    run(
+        python(
+            "distributed.py",
+            *TINY,
+            "--no-augment",
+            "--compile-mode",
+            "reduce-overhead",
+            "--output-dir",
+            out,
+        ),
+        timeout=300,
+        env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
+    )
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(out))
     assert max_weight_difference(out, reference["one"]) <= 1e-5
 
@@ -93,8 +161,16 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
     model[2].weight = model[0].weight
     ema = utils.EMA(nn.DataParallel(model), 0.9)
-    assert list(ema.average) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.bias", "1.running_mean",
-                                 "1.running_var", "1.num_batches_tracked"]
+    assert list(ema.average) == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "2.bias",
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    ]
     expected = {name: tensor.clone() for name, tensor in ema.average.items()}
     for n in range(1, 31):
         model(torch.randn(8, 4))  # training: new batch-norm statistics
@@ -105,22 +181,34 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
         decay = min(0.9, (1 + n) / (10 + n))  # 0.18 at the first update, 0.9 from the 80th
         current = dict([*model.named_parameters(), *model.named_buffers()])
         for name, average in expected.items():
-            expected[name] = average * decay + current[name] * (1 - decay) if average.is_floating_point() else \
-                current[name].clone()
+            expected[name] = (
+                average * decay + current[name] * (1 - decay)
+                if average.is_floating_point()
+                else current[name].clone()
+            )
     for name, average in expected.items():
         assert torch.allclose(ema.average[name], average, atol=1e-6), name
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with ema.swapped():
         inside = model.state_dict()
         assert torch.equal(inside["2.weight"], inside["0.weight"])  # still tied
-        assert all(torch.allclose(inside[name], average, atol=1e-6) for name, average in expected.items())
+        assert all(
+            torch.allclose(inside[name], average, atol=1e-6) for name, average in expected.items()
+        )
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in weights.items())
-    assert not torch.allclose(weights["0.weight"], expected["0.weight"])  # an average, not the weights
+    assert not torch.allclose(
+        weights["0.weight"], expected["0.weight"]
+    )  # an average, not the weights
     other = utils.EMA(model, 0.9)
     other.load_state_dict(ema.state_dict())
-    assert other.updates == 30 and all(torch.equal(other.average[k], ema.average[k]) for k in ema.average)
+    assert other.updates == 30 and all(
+        torch.equal(other.average[k], ema.average[k]) for k in ema.average
+    )
     with pytest.raises(ValueError, match="--ema"):
         utils.EMA(model, None).load_state_dict(ema.state_dict())
     records = ema.evaluated(lambda: {"val_loss": float(model[0].weight.sum()), "val_images": 8})
     assert records["val_loss_ema"] == pytest.approx(float(expected["0.weight"].sum()), abs=1e-5)
-    assert records["val_loss"] == pytest.approx(float(weights["0.weight"].sum())) and "val_images_ema" not in records
+    assert (
+        records["val_loss"] == pytest.approx(float(weights["0.weight"].sum()))
+        and "val_images_ema" not in records
+    )

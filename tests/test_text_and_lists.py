@@ -1,6 +1,7 @@
 """Text and other batches of any structure, as a user brings them to a copy of a script: sentences of different
 lengths padded by their collate(), a token-level loss returned as (sum, count), a Hugging Face model returned by
 build_model as it is, detection-style lists of per-image dicts."""
+
 from __future__ import annotations
 
 import signal
@@ -9,8 +10,19 @@ import time
 import pytest
 import torch
 
-from processes import (PYTHON, assert_same_records, finish, max_weight_difference, metrics, run, run_parallel, start,
-                       steps, wait_for, weights)
+from processes import (
+    PYTHON,
+    assert_same_records,
+    finish,
+    max_weight_difference,
+    metrics,
+    run,
+    run_parallel,
+    start,
+    steps,
+    wait_for,
+    weights,
+)
 from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_TAGGER = '''
@@ -63,8 +75,12 @@ def collate(samples):
     tags = nn.utils.rnn.pad_sequence([tags for _, tags in samples], batch_first=True, padding_value=-100)
     return ids, tags
 '''
-TOKEN_SUM = 'F.cross_entropy(outputs, targets, ignore_index=-100, reduction="sum"), (targets != -100).sum()'
-TOKEN_MEAN_PER_RANK = 'F.cross_entropy(outputs, targets, ignore_index=-100)'  # what the textbook loop does
+TOKEN_SUM = (
+    'F.cross_entropy(outputs, targets, ignore_index=-100, reduction="sum"), (targets != -100).sum()'
+)
+TOKEN_MEAN_PER_RANK = (
+    "F.cross_entropy(outputs, targets, ignore_index=-100)"  # what the textbook loop does
+)
 TEXT = [*COMMON, "--lr", "0.5"]
 # of 20 steps an epoch: training records at steps 6, 12, 18 and 20; validation at 8, 16 and 20
 RECORDS = ["--print-freq", "6", "--eval-every", "8"]
@@ -78,7 +94,12 @@ def tagger(size: int = 640, loss: str = TOKEN_SUM) -> str:
 TAGGER_RUNS = {
     "one process": ("dataparallel.py", 1, [], tagger()),
     "two processes": ("distributed.py", 2, [], tagger()),
-    "two processes x 2 micro-batches": ("distributed_grad_accum.py", 2, ["--accum-steps", "2"], tagger()),
+    "two processes x 2 micro-batches": (
+        "distributed_grad_accum.py",
+        2,
+        ["--accum-steps", "2"],
+        tagger(),
+    ),
     "two processes, mean per rank": ("distributed.py", 2, [], tagger(loss=TOKEN_MEAN_PER_RANK)),
     "two processes, bfloat16": ("distributed_amp.py", 2, ["--amp-dtype", "bfloat16"], tagger()),
     "two processes, FSDP": ("distributed_fsdp.py", 2, [], tagger()),
@@ -92,8 +113,12 @@ def tagger_runs(tmp_path_factory) -> dict:
     for i, (name, (script, processes, flags, yours)) in enumerate(TAGGER_RUNS.items()):
         copy = copy_with_your_functions(script, base / f"copy{i}", yours)
         outputs[name] = base / f"out{i}"
-        commands.append((launch(copy, processes, *TEXT, *flags, *RECORDS, "--output-dir", outputs[name]), {}))
-    run_parallel(commands, timeout=400, cwd=base)  # all at once: independent, and sharing the cores better
+        commands.append(
+            (launch(copy, processes, *TEXT, *flags, *RECORDS, "--output-dir", outputs[name]), {})
+        )
+    run_parallel(
+        commands, timeout=400, cwd=base
+    )  # all at once: independent, and sharing the cores better
     return outputs
 
 
@@ -106,24 +131,38 @@ def test_a_token_loss_is_exact_over_ranks_and_micro_batches(tagger_runs):
     accumulated = max_weight_difference(tagger_runs["two processes x 2 micro-batches"], one)
     sharded = max_weight_difference(tagger_runs["two processes, FSDP"], one)  # its model.pt
     per_rank = max_weight_difference(tagger_runs["two processes, mean per rank"], one)
-    print(f"max weight difference to 1 process: 2 processes {two:.1e}, 2 x 2 micro-batches {accumulated:.1e}, "
-          f"2 processes with FSDP {sharded:.1e}, 2 processes with a mean per rank {per_rank:.1e}")
+    print(
+        f"max weight difference to 1 process: 2 processes {two:.1e}, 2 x 2 micro-batches {accumulated:.1e}, "
+        f"2 processes with FSDP {sharded:.1e}, 2 processes with a mean per rank {per_rank:.1e}"
+    )
     assert two <= 1e-5 and accumulated <= 1e-5 and sharded <= 1e-5
     assert per_rank > 1e-4  # the error that (sum, count) removes, seen by this same test
     for name in ("two processes", "two processes x 2 micro-batches", "two processes, FSDP"):
         for a, b in zip(metrics(tagger_runs[name]), metrics(one)):
-            assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)  # per token over all ranks
+            assert a["train_loss"] == pytest.approx(
+                b["train_loss"], abs=1e-5
+            )  # per token over all ranks
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5)
             assert a["val_images"] == 203  # sentences, not tokens, each once
     for name in ("one process", "two processes, bfloat16"):
-        assert metrics(tagger_runs[name])[-1]["val_acc"] > 0.9, metrics(tagger_runs[name])  # per token; chance 0.25
+        assert metrics(tagger_runs[name])[-1]["val_acc"] > 0.9, metrics(
+            tagger_runs[name]
+        )  # per token; chance 0.25
 
 
 def test_records_of_a_token_loss_are_exact_over_ranks_and_micro_batches(tagger_runs):
     """steps.jsonl with (sum, count): every record's loss is the mean over all ranks' and micro-batches' tokens
     since the previous record, one record per optimizer step, and tokens per second beside samples per second."""
     one = steps(tagger_runs["one process"])
-    assert [r["global_step"] for r in one][:7] == [6, 8, 12, 16, 18, 20, 20]  # training, then validation, at 20
+    assert [r["global_step"] for r in one][:7] == [
+        6,
+        8,
+        12,
+        16,
+        18,
+        20,
+        20,
+    ]  # training, then validation, at 20
     for name in ("two processes", "two processes x 2 micro-batches", "two processes, FSDP"):
         assert_same_records(steps(tagger_runs[name]), one, tolerance=1e-5)
     train = [r for r in one if "train_loss" in r]
@@ -141,7 +180,9 @@ def test_the_logged_validation_loss_is_the_mean_over_every_token(tagger_runs):
     with torch.no_grad():
         total, count = yours["compute_loss"](model(ids), tags)
     logged = metrics(tagger_runs["two processes"])[-1]["val_loss"]
-    print(f"validation loss: logged {logged:.6f}, mean over all {int(count)} tokens {total.item() / count:.6f}")
+    print(
+        f"validation loss: logged {logged:.6f}, mean over all {int(count)} tokens {total.item() / count:.6f}"
+    )
     assert logged == pytest.approx(total.item() / count.item(), rel=1e-5)
 
 
@@ -149,8 +190,25 @@ def test_sigterm_with_your_collate_continues_exactly(tmp_path):
     """Padded sentences, AdamW and gradient clipping, 2 processes by mp.spawn: the loader that continues the
     epoch pads with the user's collate too, and the continued run ends where a straight one does."""
     copy = copy_with_your_functions("distributed_mp.py", tmp_path / "copy", tagger(size=20000))
-    args = [PYTHON, copy, "--nproc", "2", *COMMON, "--epochs", "1", "--optimizer", "adamw", "--lr", "0.01",
-            "--clip-grad", "0.5", "--save-every", "20", "--print-freq", "1000"]
+    args = [
+        PYTHON,
+        copy,
+        "--nproc",
+        "2",
+        *COMMON,
+        "--epochs",
+        "1",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--clip-grad",
+        "0.5",
+        "--save-every",
+        "20",
+        "--print-freq",
+        "1000",
+    ]
     run([*args, "--output-dir", tmp_path / "straight"], cwd=tmp_path)
     out = tmp_path / "preempted"
     proc, marker = start([*args, "--output-dir", out], cwd=tmp_path)
@@ -165,7 +223,9 @@ def test_sigterm_with_your_collate_continues_exactly(tmp_path):
     second = run([*args, "--output-dir", out], cwd=tmp_path)
     assert f"0 of 1 epochs done and {state['step']} steps of the next" in second.stdout
     difference = max_weight_difference(out, tmp_path / "straight")
-    print(f"stopped after step {state['step']}/625; continued vs straight: max weight difference {difference:.1e}")
+    print(
+        f"stopped after step {state['step']}/625; continued vs straight: max weight difference {difference:.1e}"
+    )
     assert difference <= 1e-6
     assert metrics(out)[-1]["val_acc"] > 0.9
 
@@ -223,11 +283,25 @@ def test_a_hugging_face_model_trains_as_it_is_with_adamw(tmp_path):
     read from its logits. Its checkpoint loads into a fresh model of the config and scores what was logged."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_HUGGING_FACE_MODEL)
     out = tmp_path / "out"
-    no_lr = ["--batch-size", "32", "--epochs", "3", "--workers", "0", "--timeout", "60"]  # AdamW's default
+    no_lr = [
+        "--batch-size",
+        "32",
+        "--epochs",
+        "3",
+        "--workers",
+        "0",
+        "--timeout",
+        "60",
+    ]  # AdamW's default
     result = run(launch(copy, 2, *no_lr, "--optimizer", "adamw", "--output-dir", out), cwd=tmp_path)
-    assert "adamw peak lr 0.001, weight decay 0.01" in result.stdout  # AdamW's own defaults, printed
+    assert (
+        "adamw peak lr 0.001, weight decay 0.01" in result.stdout
+    )  # AdamW's own defaults, printed
     epochs = metrics(out)
-    print("BERT from a config, AdamW, 2 processes: val_acc by epoch", [round(m["val_acc"], 4) for m in epochs])
+    print(
+        "BERT from a config, AdamW, 2 processes: val_acc by epoch",
+        [round(m["val_acc"], 4) for m in epochs],
+    )
     assert epochs[-1]["val_acc"] >= 0.9 and [m["val_images"] for m in epochs] == [203] * 3
     yours = users_code(YOUR_HUGGING_FACE_MODEL)
     model = yours["BertForSequenceClassification"](yours["CONFIG"]).eval()
@@ -285,4 +359,6 @@ def test_detection_style_lists_are_counted_as_samples(tmp_path):
     assert [m["val_images"] for m in epochs] == [203] * 3  # each image once
     assert all(m["val_acc"] is None for m in epochs)
     losses = [m["val_loss"] for m in epochs]
-    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 5, losses  # it learns to count
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 5, (
+        losses
+    )  # it learns to count

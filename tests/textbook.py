@@ -9,6 +9,7 @@ a DistributedSampler; DDP; on a GPU autocast float16 with a GradScaler; loss.ite
 It writes the metrics.jsonl fields the benchmark reads. No resume, no exact validation, no error
 handling: it stands for what a user would otherwise run, not for what we recommend.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,22 +67,40 @@ def main() -> None:
     workers = args.workers
 
     normalize = T.Normalize(builtin.CIFAR_MEAN, builtin.CIFAR_STD)
-    train_tf = T.Compose([T.RandomCrop(args.image_size, padding=args.image_size // 8), T.RandomHorizontalFlip(),
-                          T.ToTensor(), normalize])
+    train_tf = T.Compose(
+        [
+            T.RandomCrop(args.image_size, padding=args.image_size // 8),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            normalize,
+        ]
+    )
     train_set = CIFARStyle(builtin.fake_images(args.fake_size, args.image_size, "train"), train_tf)
-    val_set = CIFARStyle(builtin.fake_images(args.fake_size // builtin.FAKE_VAL_FRACTION, args.image_size, "val"),
-                         T.Compose([T.ToTensor(), normalize]))
+    val_set = CIFARStyle(
+        builtin.fake_images(args.fake_size // builtin.FAKE_VAL_FRACTION, args.image_size, "val"),
+        T.Compose([T.ToTensor(), normalize]),
+    )
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     batch = args.batch_size // world_size
-    loader = DataLoader(train_set, batch, sampler=sampler, num_workers=workers, pin_memory=cuda, drop_last=True,
-                        persistent_workers=workers > 0)
-    val_loader = DataLoader(val_set, batch, sampler=DistributedSampler(val_set, shuffle=False), num_workers=workers)
+    loader = DataLoader(
+        train_set,
+        batch,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=cuda,
+        drop_last=True,
+        persistent_workers=workers > 0,
+    )
+    val_loader = DataLoader(
+        val_set, batch, sampler=DistributedSampler(val_set, shuffle=False), num_workers=workers
+    )
 
     torch.manual_seed(args.seed)
     model = builtin.model(args.arch, builtin.FAKE_CLASSES, args.image_size).to(device)
     model = DDP(model, device_ids=[local_rank] if cuda else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
     scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
 
@@ -92,7 +111,10 @@ def main() -> None:
         start = tick = time.perf_counter()
         for step, (images, labels) in enumerate(loader, 1):
             data_wait += time.perf_counter() - tick
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images, labels = (
+                images.to(device, non_blocking=True),
+                labels.to(device, non_blocking=True),
+            )
             with torch.autocast(device.type, dtype=torch.float16, enabled=cuda):
                 loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
@@ -103,19 +125,30 @@ def main() -> None:
             running_loss += loss.item() * len(labels)
             seen += len(labels)
             if rank == 0 and step % args.print_freq == 0:
-                print(f"epoch {epoch + 1} step {step}/{len(loader)} loss {running_loss / seen:.4f}", flush=True)
+                print(
+                    f"epoch {epoch + 1} step {step}/{len(loader)} loss {running_loss / seen:.4f}",
+                    flush=True,
+                )
             tick = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         val_correct, val_seen = evaluate(model, val_loader, device)
-        totals = torch.tensor([running_loss, seen, val_correct, val_seen], dtype=torch.float64, device=device)
+        totals = torch.tensor(
+            [running_loss, seen, val_correct, val_seen], dtype=torch.float64, device=device
+        )
         dist.all_reduce(totals)
         if rank == 0:
-            record = dict(epoch=epoch + 1, train_loss=totals[0].item() / totals[1].item(),
-                          val_acc=totals[2].item() / totals[3].item(), epoch_time_s=seconds,
-                          images_per_s=totals[1].item() / seconds, data_wait_s=data_wait, world_size=world_size,
-                          **utils.memory_mb(model, optimizer, device))
+            record = dict(
+                epoch=epoch + 1,
+                train_loss=totals[0].item() / totals[1].item(),
+                val_acc=totals[2].item() / totals[3].item(),
+                epoch_time_s=seconds,
+                images_per_s=totals[1].item() / seconds,
+                data_wait_s=data_wait,
+                world_size=world_size,
+                **utils.memory_mb(model, optimizer, device),
+            )
             print(json.dumps(record), flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             utils.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)

@@ -4,6 +4,7 @@ and its proportional share (PSS), for the built-in in-memory images (--dataset f
 
     python tests/worker_start.py --fake-size 50000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,23 +22,36 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 def memory_mb(pid: int) -> tuple[float, float]:
     """(USS, PSS) of a process in MB, from /proc/PID/smaps_rollup."""
-    fields = dict(line.split(":") for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    fields = dict(
+        line.split(":") for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    )
     kb = lambda key: int(fields[key].split()[0])  # noqa: E731
     return (kb("Private_Clean") + kb("Private_Dirty")) / 1024, kb("Pss") / 1024
 
 
 def measure(context, dataset, workers: int) -> dict:
-    loader = DataLoader(dataset, 256, shuffle=True, num_workers=workers, persistent_workers=True,
-                        worker_init_fn=stalls.init_worker, multiprocessing_context=context,
-                        collate_fn=utils.Counted(torch.utils.data.default_collate))
+    loader = DataLoader(
+        dataset,
+        256,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=True,
+        worker_init_fn=stalls.init_worker,
+        multiprocessing_context=context,
+        collate_fn=utils.Counted(torch.utils.data.default_collate),
+    )
     started = time.perf_counter()
     batches = iter(loader)
     next(batches)
     first = time.perf_counter() - started
-    for _ in range(min(20, len(loader) - 1)):  # every worker has touched its share of the images by now
+    for _ in range(
+        min(20, len(loader) - 1)
+    ):  # every worker has touched its share of the images by now
         next(batches)
     memory = [memory_mb(w.pid) for w in batches._workers]
-    return dict(first_batch_s=first, uss_mb=max(m[0] for m in memory), pss_mb=max(m[1] for m in memory))
+    return dict(
+        first_batch_s=first, uss_mb=max(m[0] for m in memory), pss_mb=max(m[1] for m in memory)
+    )
 
 
 def main():
@@ -46,11 +60,21 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     args = parser.parse_args()
     dataset = builtin.fake_images(args.fake_size, 32, "train")
-    sys.modules["__main__"].__file__ = str(Path(utils.__file__).with_name("distributed.py"))  # preload as it does
-    print(f"--dataset fake, {args.fake_size} images ({dataset.tensors[0].numel() / 2**20:.0f} MB), "
-          f"{args.workers} workers")
-    for name, context in (("fork", "fork"), ("forkserver (the scripts')", stalls.worker_start(args.workers))):
-        print(f"{name:28s}" + "  ".join(f"{k} {v:7.2f}" for k, v in measure(context, dataset, args.workers).items()))
+    sys.modules["__main__"].__file__ = str(
+        Path(utils.__file__).with_name("distributed.py")
+    )  # preload as it does
+    print(
+        f"--dataset fake, {args.fake_size} images ({dataset.tensors[0].numel() / 2**20:.0f} MB), "
+        f"{args.workers} workers"
+    )
+    for name, context in (
+        ("fork", "fork"),
+        ("forkserver (the scripts')", stalls.worker_start(args.workers)),
+    ):
+        print(
+            f"{name:28s}"
+            + "  ".join(f"{k} {v:7.2f}" for k, v in measure(context, dataset, args.workers).items())
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""Streams (an IterableDataset: a Hugging Face streaming dataset, a webdataset pipeline, your own):
+read in each rank's main process as global batches, so that any number of processes and DataLoader
+workers trains the same model, and every sample of an epoch is trained on once.
+
+Copy this file beside the script and utils.py only when your data is a stream; a script imports it
+in its stream branch, as build_datasets imports builtin.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
+from torch.utils.data import Dataset, IterableDataset
+
+import utils
+
+
+class StreamSampler:
+    """A stream read as global batches, each of the next size / V samples of V fixed readers (V of
+    its shards where it has them). Each rank gets its share of each global batch (in
+    micro-batches of part samples under accumulation) as lists of samples that a DataLoader
+    worker collates.
+
+    Each rank reads only the readers its share overlaps. Once one reader has ended (shards of
+    different sizes), the rest of every reader, still read by one rank alone, goes to every rank,
+    and global batches are cut from it: every sample of an epoch is trained on once.
+    """
+
+    def __init__(
+        self,
+        stream: IterableDataset,
+        part: int,
+        rank: int,
+        world_size: int,
+        train: bool = True,
+        micro_batches: int = 1,
+    ):
+        self.stream = stream
+        self.part = part
+        self.rank = rank
+        self.train = train
+        self.micro_batches = micro_batches
+        self.share = part * micro_batches  # this rank's samples in an optimizer step
+        self.size = self.share * world_size  # a global batch
+        self.epoch = 0
+        shards = 1
+        if hasattr(stream, "shard"):
+            shards = getattr(stream, "n_shards", 1)
+        # Training: readers of equally many shards that divide the global batch, whatever the number
+        # of processes. Validation (every sample once, no batch to keep alike): a reader a rank
+        # where the shards split so, else the whole stream.
+        if train:
+            self.readers = math.gcd(self.size, shards)
+        elif shards % world_size == 0:
+            self.readers = world_size
+        else:
+            self.readers = 1
+        # The ranks learn of a reader that ended, and share the rest, in a group of their own (gloo:
+        # the samples are CPU objects).
+        self.group = None
+        if train and self.readers > 1 and world_size > 1:
+            self.group = dist.new_group(backend="gloo")
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new order each epoch: passed on to the stream's own set_epoch."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches (micro-batches); a TypeError for a stream without __len__."""
+        if self.train:
+            return len(self.stream) // self.size * self.micro_batches
+        return ceil_div(len(self.stream), self.size)
+
+    def reader(self, index: int):
+        """The stream's index-th part of self.readers, at this epoch."""
+        reader = self.stream
+        if self.readers > 1:
+            reader = self.stream.shard(self.readers, index)
+        if hasattr(reader, "set_epoch"):
+            reader.set_epoch(self.epoch)
+        return reader
+
+    def __iter__(self):
+        # Each reader's samples in a global batch, and the readers this rank's share overlaps.
+        chunk = self.size // self.readers
+        first = self.rank * self.share // chunk
+        end = ceil_div((self.rank + 1) * self.share, chunk)
+        readers = {index: iter(self.reader(index)) for index in range(first, end)}
+        start = self.rank * self.share - first * chunk
+        while True:
+            chunks = {
+                index: list(itertools.islice(reader, chunk)) for index, reader in readers.items()
+            }
+            # On every rank: no reader of any rank has ended.
+            full = self.all_full(all(len(c) == chunk for c in chunks.values()))
+            samples = [sample for c in chunks.values() for sample in c][start : start + self.share]
+            # Validation keeps an incomplete last batch too.
+            if full or (samples and not self.train):
+                yield from self.split_into_micro_batches(samples)
+            if not full:
+                break
+        if not self.train:
+            return
+        # Training goes on with the rest of every reader; an incomplete last global batch is
+        # dropped.
+        rest = self.rest(readers, chunks, chunk)
+        while True:
+            batch = list(itertools.islice(rest, self.size))
+            if len(batch) < self.size:
+                return
+            mine = batch[self.rank * self.share : (self.rank + 1) * self.share]
+            yield from self.split_into_micro_batches(mine)
+
+    def split_into_micro_batches(self, share: list):
+        for i in range(0, len(share), self.part):
+            yield share[i : i + self.part]
+
+    def all_full(self, full: bool) -> bool:
+        """Has every rank read a full chunk of each of its readers? (A collective.)"""
+        if self.group is None:
+            return full
+        flag = utils.all_reduce(torch.tensor([int(full)]), dist.ReduceOp.MIN, self.group)
+        return bool(flag)
+
+    def rest(self, readers: dict, chunks: dict, chunk: int):
+        """The samples after the first reader ended, alike on every rank: from each reader that has
+        more, in reader order, its next chunk, in turns. Each reader is read by the first rank that
+        reads it, which sends the turn's chunks to all (a collective a turn): each sample is still
+        read once."""
+        # The readers this rank sends.
+        mine = {index: c for index, c in chunks.items() if index * chunk // self.share == self.rank}
+        while True:
+            parts = [mine]
+            if self.group is not None:
+                parts = utils.all_gather_objects(mine, self.group)
+            turn = {}
+            for part in parts:
+                turn.update(part)
+            for index in sorted(turn):
+                yield from turn[index]
+            if not any(len(c) == chunk for c in turn.values()):
+                return  # every reader has ended
+            mine = {
+                index: list(itertools.islice(readers[index], chunk))
+                for index, c in mine.items()
+                if len(c) == chunk
+            }
+
+    def first(self, n: int) -> list:
+        """The first reader's first n samples, alike on every rank (a collective), or else the
+        stream splits itself: one line."""
+        try:
+            samples = list(itertools.islice(self.reader(0), n))
+        except ValueError as e:
+            # webdataset's default node splitter refuses a second process; any other is the user's.
+            if "nodesplitter" not in str(e):
+                raise
+            message = (
+                f"the stream cannot be read ({utils.first_line(e)}): give every process all of it"
+            )
+            raise utils.UsageError(message) from None
+        # Tensors compared by value: their pickles differ between processes. Samples no worker could
+        # take either go unchecked.
+        try:
+            as_lists = tree_map_only(torch.Tensor, torch.Tensor.tolist, samples)
+            digest = hashlib.sha256(pickle.dumps(as_lists)).digest()
+        except (pickle.PicklingError, TypeError, AttributeError):
+            digest = b""
+        if len(set(utils.all_gather_objects(digest))) > 1:
+            raise utils.UsageError(
+                "the stream gives the processes different first samples: it must give every process"
+                " all of it, in the same order (no split_dataset_by_node, no webdataset"
+                " split_by_node): the script splits it"
+            )
+        return samples
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Samples(Dataset):
+    """A StreamSampler's "index" is its list of samples: the worker collates it as it is."""
+
+    def __getitem__(self, samples: list) -> list:
+        return samples
