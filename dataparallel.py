@@ -166,7 +166,7 @@ def train_one_epoch(
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         if args.clip_grad or recording:  # the gradients' norm before clipping
-            # inf: measured
+            # without --clip-grad, a norm of inf: measured, never clipped
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         optimizer.step()
         ema.update()  # --ema: the average moves toward the new weights

@@ -225,7 +225,7 @@ def train_one_epoch(
         recording = step % args.print_freq == 0 or last
         # the gradients' norm before clipping (all ranks hold the same gradients)
         if args.clip_grad or recording:
-            # inf: measured
+            # without --clip-grad, a norm of inf: measured, never clipped
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         optimizer.step()
         ema.update()  # --ema: the average moves toward the new weights

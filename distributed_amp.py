@@ -244,7 +244,7 @@ def train_one_epoch(
         recording = step % args.print_freq == 0 or last
         if args.clip_grad or recording:  # the gradients' norm before clipping
             scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-            # inf: measured
+            # without --clip-grad, a norm of inf: measured, never clipped
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         scale = utils.loss_scale(scaler).clone() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN

@@ -322,7 +322,7 @@ def train_one_epoch(
         recording = step % args.print_freq == 0 or last
         # this process's gradients' norm before clipping (rank 0's recorded)
         if args.clip_grad or recording:
-            # inf: measured
+            # without --clip-grad, a norm of inf: measured, never clipped
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
         optimizer.step()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay

@@ -42,7 +42,6 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
@@ -357,7 +356,7 @@ def shard_model(
             )
         else:
             for block in units:
-                checkpoint(block)  # hooks, not a wrapper module: the checkpoint's keys stay plain
+                utils.checkpoint_activations(block)  # the checkpoint's keys stay plain
     # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in
     # float32 for the loss; --cpu-offload: shards in host memory, each block copied to the GPU for
     # its forward and backward

@@ -15,7 +15,6 @@ import pickle
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 from torch.utils.data import Dataset, IterableDataset
 
 import utils
@@ -168,7 +167,7 @@ class StreamSampler:
         # Tensors compared by value: their pickles differ between processes. Samples no worker could
         # take either go unchecked.
         try:
-            as_lists = tree_map_only(torch.Tensor, torch.Tensor.tolist, samples)
+            as_lists = utils.tree_map_only(torch.Tensor, torch.Tensor.tolist, samples)
             digest = hashlib.sha256(pickle.dumps(as_lists)).digest()
         except (pickle.PicklingError, TypeError, AttributeError):
             digest = b""

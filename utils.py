@@ -76,14 +76,10 @@ import torch  # noqa: E402
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
-
-# nested tuples, lists, dicts
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.data import DataLoader, Dataset
 
-# an older one: a gloo process group could hang at exit (PyTorch PR 154976), a listening socket
-# failed the tcp:// store
-# 2.8.0a0 (a container's build) counts as 2.8
+# PyTorch 2.8 or newer: on an older one a gloo process group could hang at exit (PyTorch PR
+# 154976), and a listening socket failed the tcp:// store. 2.8.0a0 (a container's build) is 2.8.
 if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):
     sys.exit(
         f"error: the scripts need PyTorch 2.8 or newer, not {torch.__version__}: pip install -r"
@@ -721,6 +717,10 @@ def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary |
 # PyTorch, so an upgrade that renames one fails that test, not a user's run; where one is missing
 # all the same, what it serves says so (the stall line names no rank) instead of going wrong.
 
+# Nested tuples, lists and dicts of tensors, mapped and flattened: PyTorch's own tree utilities,
+# which torch.compile and FSDP use too.
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
 # The frame of a DataLoader waiting for a worker, and of a worker's loop.
 DATALOADER_WAIT = "_try_get_data"
 WORKER_LOOP = "_worker_loop"
@@ -759,6 +759,14 @@ def free_cached_host_memory() -> None:
     empty_cache = getattr(torch._C, "_host_emptyCache", None)
     if empty_cache is not None:
         empty_cache()
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute module's activations in backward: FSDP2's composable checkpoint, hooks rather than
+    a wrapper module, so that the state dict's keys stay plain."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
 
 
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:

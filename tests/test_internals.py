@@ -25,7 +25,7 @@ SCRIPTS = sorted(
 # what reaches into PyTorch's or multiprocessing's insides
 PRIVATE = re.compile(
     r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
-    r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace"
+    r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace|_pytree|_composable"
 )
 SECTION = "# -------------------------------------------- PyTorch's insides we reach ----"
 
@@ -46,6 +46,8 @@ def test_each_internal_exists_on_the_installed_pytorch():
     scaler.scale(torch.ones(()))
     assert isinstance(utils.loss_scale(scaler), torch.Tensor)
     assert callable(multiprocessing.forkserver.ensure_running)
+    assert callable(utils.tree_map_only) and callable(utils.tree_flatten)
+    assert callable(importlib.import_module("torch.distributed._composable").checkpoint)
     from torch.utils.data import _utils, dataloader
 
     assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, utils.DATALOADER_WAIT))
