@@ -74,6 +74,7 @@ class Watchdog(utils.Progress):
         # Before training: the collectives this rank has counted in the store, and since when it
         # waits.
         self.counted = 0
+        self.counted_after_first_step = False
         self.waiting_since: float | None = None
         self.beats = 0
         self.closed = False
@@ -88,9 +89,7 @@ class Watchdog(utils.Progress):
         threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
 
     def batch(self, key: tuple[int, int] | None) -> None:
-        self.moved_at = time.monotonic()
-        self.anyone_moved_at = self.moved_at
-        self.moved_since_beat = True
+        self.note_progress()
         self.validating = key is None and self.epoch_step is not None
         if key is not None:
             self.epoch_step = key
@@ -101,15 +100,15 @@ class Watchdog(utils.Progress):
         self.growing = Path(growing or path)
         self.saved_bytes = 0
         self.validating = False
-        self.batch_free_progress()
+        self.note_progress()
         try:
             yield
         finally:
             self.saving = None
-            self.batch_free_progress()
+            self.note_progress()
 
-    def batch_free_progress(self) -> None:
-        """Progress that is not a batch: a compile, a save's bytes."""
+    def note_progress(self) -> None:
+        """This rank moved: a batch, a compile, a save's bytes."""
         self.moved_at = time.monotonic()
         self.anyone_moved_at = self.moved_at
         self.moved_since_beat = True
@@ -133,21 +132,21 @@ class Watchdog(utils.Progress):
     def check(self) -> bool:
         """One beat: note this rank's progress, share it, and say whether the run has stalled."""
         if is_compiling():
-            self.batch_free_progress()
+            self.note_progress()
         if self.saving is not None:
             size = bytes_in(self.growing)
             if size != self.saved_bytes:
                 self.saved_bytes = size
-                self.batch_free_progress()
+                self.note_progress()
         now = time.monotonic()
         if self.epoch_step is None and self.saving is None:
             stalled = self.waited_before_training(now) >= self.timeout
         else:
             stalled = now - self.anyone_moved_at >= self.timeout
-            # Once more after the first step: a rank still before it counts this one's collectives.
-            if self.store is not None and self.counted >= 0:
-                self.count_collectives()
-                self.counted = -1
+        # Once more after the first step: a rank still before it counts this one's collectives.
+        if self.epoch_step is not None and not self.counted_after_first_step:
+            self.count_collectives()
+            self.counted_after_first_step = True
         if self.store is None or stalled:
             return stalled
         # A beat of every rank that moved: any rank's move is everyone's.

@@ -447,7 +447,7 @@ def error_line(error: Exception) -> str | None:
     user's or ours), which keeps its traceback."""
     # A file of ours that the script reaches only when needed: a stream needs streams.py.
     if isinstance(error, ModuleNotFoundError):
-        if error.name in ("streams", "stalls", "builtin"):
+        if error.name in ("streams", "builtin"):
             script = Path(sys.argv[0]).name
             return f"error: {error.name}.py is missing: copy it beside {script} and utils.py"
         return None
@@ -1184,8 +1184,9 @@ class StepRecords:
             lines = []
             if path.exists():
                 lines = [line for line in path.read_text().splitlines() if line]
-            kept_lines = [line for line in lines if json.loads(line)[key] <= last[key]]
-            kept[key] = [json.loads(line) for line in kept_lines]
+            records = [json.loads(line) for line in lines]
+            kept[key] = [record for record in records if record[key] <= last[key]]
+            kept_lines = [line for line, record in zip(lines, records) if record[key] <= last[key]]
             if kept_lines != lines:
                 # Written anew whole: a full disk loses none.
                 text = "".join(line + "\n" for line in kept_lines)
