@@ -285,7 +285,8 @@ def evaluate(model, loader, amp_dtype, args, device) -> dict:
         dist.broadcast(buffer, 0)
     module.eval()
     meter = utils.Meter(device)
-    for samples, batch in loader:
+    # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
+    for samples, batch in meter.read(loader):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         # the loss too: autocast keeps it float32
         with torch.autocast(device.type, dtype=amp_dtype):
@@ -427,8 +428,9 @@ def main():
     for epoch in range(start_epoch, last_epoch):
         # a new shuffle each epoch, the same on all ranks (a stream's too)
         train_loader.sampler.set_epoch(epoch)
-        # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, first_step)
+        # the epoch told to the dataset (an image folder draws its crops from it); continued
+        # mid-epoch: the same order, without the batches already trained on
+        loader = utils.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,

@@ -373,7 +373,8 @@ def evaluate(model, loader, args, device) -> dict:
         dist.broadcast(buffer, 0)
     module.eval()
     meter = utils.Meter(device)
-    for samples, batch in loader:
+    # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
+    for samples, batch in meter.read(loader):
         inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = utils.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
@@ -504,8 +505,9 @@ def main():
     for epoch in range(start_epoch, last_epoch):
         # a new shuffle each epoch, the same on all ranks (a stream's too)
         train_loader.sampler.set_epoch(epoch)
-        # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, first_step)
+        # the epoch told to the dataset (an image folder draws its crops from it); continued
+        # mid-epoch: the same order, without the batches already trained on
+        loader = utils.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,

@@ -458,7 +458,8 @@ def evaluate(model, loader, args, device) -> dict:
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
     spare = (0, loader.collate_fn(utils.first_samples(loader, 1))[1])
-    shard = iter(loader)
+    # a batch this rank cannot read (a bad file) ends its share, and all_ranks() every rank
+    shard = meter.read(loader)
     while True:
         item = next(shard, None)
         # the ranks that have a batch
@@ -722,8 +723,9 @@ def main():
     for epoch in range(start_epoch, last_epoch):
         # a new shuffle each epoch, the same on all ranks (a stream's too)
         train_loader.sampler.set_epoch(epoch)
-        # continued mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, first_step)
+        # the epoch told to the dataset (an image folder draws its crops from it); continued
+        # mid-epoch: the same order, without the batches already trained on
+        loader = utils.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,

@@ -95,6 +95,14 @@ log = logging.getLogger("train")
 class UsageError(Exception):
     """A mistake the user can fix: printed as one line, exit status 1."""
 
+    def __str__(self) -> str:
+        text = super().__str__()
+        # One raised in a DataLoader worker (a file that cannot be read) comes with the worker's
+        # traceback, its own line last.
+        if text.startswith("Caught UsageError in DataLoader worker"):
+            return text.rsplit("UsageError: ", 1)[-1].strip()
+        return text
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag ends in one line, and --flag_name is accepted for --flag-name."""
@@ -896,9 +904,12 @@ def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
     return batches
 
 
-def epoch_loader(loader: DataLoader, skip: int) -> DataLoader:
-    """The loader without its first skip batches (a run continued mid-epoch); call its sampler's
-    set_epoch first."""
+def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
+    """The loader for this epoch (call its sampler's set_epoch first): a dataset with set_epoch is
+    told the epoch (the built-in image folder draws its crops from it); continued mid-epoch,
+    without its first skip batches."""
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
     if not skip:
         return loader
     # The indices after them in this epoch's order; a stream's batches are read again, not
@@ -978,6 +989,8 @@ class Meter:
         if rank == 0:
             self.sums += self.before.to(device)
         self.start = time.perf_counter()
+        # The line of a batch read() could not read.
+        self.error = ""
         self.data_wait = 0.0
         self.data_wait_recorded = 0.0
         # Whether the loss is a (sum, count) pair, whose items/s the records show too.
@@ -1009,10 +1022,22 @@ class Meter:
             [torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]
         )
 
+    def read(self, loader):
+        """The loader's batches, up to one this rank cannot read (a bad file: a UsageError), whose
+        line all_ranks() then ends every rank with."""
+        try:
+            yield from loader
+        except UsageError as e:
+            self.error = str(e)
+
     def all_ranks_sums(self) -> torch.Tensor:
-        """The sums over all ranks, on the CPU. A collective: every rank calls it at the same
-        step."""
-        return all_reduce(self.sums.clone()).cpu()
+        """The sums over all ranks, on the CPU; where a rank could not read a batch, every rank
+        ends with its line. A collective: every rank calls it at the same step."""
+        failed = self.sums.new_tensor([float(bool(self.error))])
+        both = all_reduce(torch.cat([self.sums, failed])).cpu()
+        if both[SUMS]:
+            raise UsageError(next(e for e in all_gather_objects(self.error) if e))
+        return both[:SUMS]
 
     def all_ranks(self) -> Sums:
         """The sums over all ranks (a collective)."""
@@ -1625,16 +1650,19 @@ class StopSignal:
 
     def steps(self, batches, first_step: int, steps: int):
         """(step, batch) up to steps while every rank has a batch, read one ahead: the same steps
-        on every rank."""
+        on every rank. A batch one rank cannot read (a bad file) ends every rank with its line."""
         batches = iter(batches)
         step = first_step
         batch = None
         ahead = None
+        error = ""
         if step < steps:
-            ahead = next(batches, None)
+            ahead, error = next_batch(batches)
         while True:
-            # Each step starts the all-reduce that agreed() waits for.
-            self.flags = torch.tensor([self.signal, int(ahead is None)])
+            # Each step starts the all-reduce that agreed() waits for: 1 where a rank has no next
+            # batch, 2 where one could not read it.
+            lacking = 2 if error else int(ahead is None)
+            self.flags = torch.tensor([self.signal, lacking])
             if dist.is_initialized():
                 self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
             if step > first_step:
@@ -1646,12 +1674,23 @@ class StopSignal:
             batch = ahead
             ahead = None
             if step < steps:
-                ahead = next(batches, None)
+                ahead, error = next_batch(batches)
+        if self.flags[1] == 2:
+            raise UsageError(next(e for e in all_gather_objects(error) if e))
         if step == 0:
             raise UsageError(
                 "the training data gave no full batch this epoch: lower --batch-size or use more"
                 " data"
             )
+
+
+def next_batch(batches) -> tuple[object, str]:
+    """(the next batch or None at the end, ""), or (None, the line) where the dataset raised a
+    UsageError (the built-in image folder's file that cannot be read)."""
+    try:
+        return next(batches, None), ""
+    except UsageError as e:
+        return None, str(e)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
     python tests/benchmark.py --quick                 # 2 CPU cores, a few minutes
     python tests/benchmark.py                         # a GPU machine: ResNet-18, CIFAR-shaped fake data
     python tests/benchmark.py --quick --chart speed.svg   # and a bar chart of images/s
+    python tests/benchmark.py --image-folders         # generated JPEG folders: loaders and training
 
 Cases run in turn, round after round (so slow drift of the machine hits all
 of them alike); each run's first epoch is warm-up (and compilation), shown
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -33,6 +35,9 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
     str(Path(__file__).resolve().parents[1]),
 ]  # and utils
+import builtin  # noqa: E402
+import textbook  # noqa: E402
+from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
 from test_your_own_data import copy_with_your_functions  # noqa: E402
 
@@ -561,6 +566,82 @@ def fsdp_ratio(results: dict[str, dict], fsdp: str, ddp: str) -> str:
     )
 
 
+# --image-folders: the two folders written (shape; training, validation images per class)
+IMAGE_FOLDERS = {
+    "ImageNet-shaped JPEGs (400-600 x 300-450, quality 90)": ("imagenet", 100, 25),
+    "phone photos (4000 x 3000)": ("phone", 24, 6),
+}
+LOADERS = {
+    "textbook": "the textbook: PIL decodes it whole, RandomResizedCrop, flip, ToTensor, Normalize",
+    "ours": "ours: decoded no larger than its crop needs, to uint8 (normalised on the device)",
+}
+
+
+def loader_rate(dataset) -> float:
+    """Images/s of one core (no workers, one thread) reading every image of dataset once: what
+    each DataLoader worker does."""
+    start = time.perf_counter()
+    for i in range(len(dataset)):
+        dataset[i]
+    return len(dataset) / (time.perf_counter() - start)
+
+
+def image_folder_benchmark(args, gpus: int) -> None:
+    """Loader rows (images/s per core, the textbook's and ours in turn, the best of --repeats) and
+    training rows (the textbook loop and distributed.py) on each generated folder."""
+    torch.set_num_threads(1)
+    n = max(gpus, 1) if gpus else 2
+    cases = [
+        Case(TEXTBOOK, "tests/textbook.py", n),
+        Case(f"DDP, {n} processes", "distributed.py", n),
+    ]
+    rates: dict[str, dict[str, float]] = {}
+    trained: dict[str, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (shape, train, val) in IMAGE_FOLDERS.items():
+            print(f"writing {train} + {val} {shape} images per class", file=sys.stderr, flush=True)
+            root = write_image_folder(Path(tmp) / shape, shape, 4, train, val)
+            datasets = {
+                "textbook": textbook.image_folders(root, args.image_size)[0],
+                "ours": builtin.ImageFiles(root / "train", args.image_size, 0, augment=True),
+            }
+            rates[name] = dict.fromkeys(LOADERS, 0.0)
+            for _ in range(args.repeats):
+                for key, dataset in datasets.items():
+                    rates[name][key] = max(rates[name][key], loader_rate(dataset))
+            print(f"{name}: {rates[name]}", file=sys.stderr, flush=True)
+            common = [
+                *("--dataset", "imagefolder", "--data-dir", str(root)),
+                *("--image-size", str(args.image_size), "--arch", args.arch),
+                *("--batch-size", str(args.batch_size), "--epochs", str(args.epochs)),
+                *("--print-freq", "100000", "--workers", str(args.workers or 1)),
+            ]
+            runs: dict[str, list] = {case.name: [] for case in cases}
+            for round_ in range(args.repeats):
+                for i, case in enumerate(cases):
+                    out = Path(tmp) / f"{shape}-{round_}-{i}"
+                    runs[case.name].append(run_case(case, common, out))
+            trained[name] = {case.name: summarise(runs[case.name]) for case in cases}
+    print(
+        f"Loaders: every training image of each folder read once by one core, {args.image_size} "
+        f"px, the best of {args.repeats} rounds.\n"
+    )
+    print(f"| images/s per core | {' | '.join(IMAGE_FOLDERS)} |")
+    print(f"| --- |{' ---: |' * len(IMAGE_FOLDERS)}")
+    for key, loader in LOADERS.items():
+        print(f"| {loader} | {' | '.join(f'{r[key]:.0f}' for r in rates.values())} |")
+    ratios = " | ".join(f"{r['ours'] / r['textbook']:.2f}x" for r in rates.values())
+    print(f"| ours / textbook | {ratios} |")
+    for name, results in trained.items():
+        print(
+            f"\nTraining on {name}: {args.arch}, {args.image_size} px, global batch "
+            f"{args.batch_size}, {args.epochs} epochs per run (first is warm-up), {args.repeats} "
+            f"runs per case, {args.workers or 1} DataLoader worker per process.\n"
+        )
+        print(table([(case, results[case.name]) for case in cases], args.batch_size))
+        print(textbook_ratio(results, cases[1].name))
+
+
 def hardware() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -616,9 +697,14 @@ def main() -> None:
         action="store_true",
         help=f"leave out the stream row that runs the scripts of commit {STREAM_BEFORE}",
     )
+    parser.add_argument(
+        "--image-folders",
+        action="store_true",
+        help="instead: loaders and training on two generated JPEG folders (ImageNet-shaped, phone)",
+    )
     args = parser.parse_args()
     gpus = 0 if args.quick else torch.cuda.device_count()
-    if not args.quick and gpus == 0:
+    if not args.quick and not args.image_folders and gpus == 0:
         parser.error("no GPU visible: use --quick for the CPU benchmark")
     defaults = (
         dict(repeats=2, epochs=3, fake_size=8192, batch_size=128, arch="tiny", image_size=32)
@@ -627,9 +713,20 @@ def main() -> None:
             repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32
         )
     )
+    if args.image_folders:
+        defaults = dict(repeats=2, epochs=3, batch_size=32, image_size=224, arch="tiny")
+        if gpus:
+            defaults.update(batch_size=256, arch="resnet18")
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.image_folders:
+        image_folder_benchmark(args, gpus)
+        print(
+            f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py "
+            f"{shlex.join(sys.argv[1:])}"
+        )
+        return
     all_cases = cases(args.quick, gpus, not args.without_before)
     wanted = args.only.split("|") if args.only else []  # an exact name picks that case alone
     selected = [

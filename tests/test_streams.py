@@ -307,7 +307,7 @@ def split(
         loader = DataLoader(
             streams.Samples(), None, sampler=sampler, num_workers=workers, collate_fn=list
         )
-        given.append(list(utils.epoch_loader(loader, skip)))
+        given.append(list(utils.epoch_loader(loader, 0, skip)))
     return given
 
 

@@ -1,7 +1,8 @@
 """The textbook DDP loop, for the benchmark to measure ours against: what the tutorials and public
 example repositories write. The same model, data, batch and recipe as the scripts, but the input
 pipeline of a CIFAR tutorial: a Dataset that turns each uint8 image into a PIL image and applies
-torchvision's RandomCrop, RandomHorizontalFlip, ToTensor and Normalize in the DataLoader's workers;
+torchvision's RandomCrop, RandomHorizontalFlip, ToTensor and Normalize in the DataLoader's workers
+(an image folder: ImageFolder with RandomResizedCrop, as pytorch/examples' imagenet/main.py);
 a DistributedSampler; DDP; on a GPU autocast float16 with a GradScaler; loss.item() every step.
 
     torchrun --standalone --nproc_per_node=2 tests/textbook.py --dataset fake --fake-size 8192 --arch tiny --epochs 3
@@ -25,6 +26,7 @@ import utils  # noqa: E402  (and the same flags and learning-rate schedule)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torchvision  # noqa: E402
 import torchvision.transforms as T  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -45,13 +47,53 @@ class CIFARStyle(Dataset):
         return self.transform(Image.fromarray(self.data[index])), self.targets[index]
 
 
+def fake_images(size: int, image_size: int) -> tuple[Dataset, Dataset]:
+    """The scripts' fake images through CIFAR's tutorial transforms."""
+    normalize = T.Normalize(builtin.CIFAR_MEAN, builtin.CIFAR_STD)
+    train_tf = T.Compose(
+        [
+            T.RandomCrop(image_size, padding=image_size // 8),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            normalize,
+        ]
+    )
+    train_set = CIFARStyle(builtin.fake_images(size, image_size, "train"), train_tf)
+    val_set = CIFARStyle(
+        builtin.fake_images(size // builtin.FAKE_VAL_FRACTION, image_size, "val"),
+        T.Compose([T.ToTensor(), normalize]),
+    )
+    return train_set, val_set
+
+
+def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
+    """pytorch/examples' imagenet/main.py: each image decoded whole by PIL, then
+    RandomResizedCrop, flip, ToTensor and Normalize; Resize and CenterCrop for validation."""
+    normalize = T.Normalize(builtin.IMAGENET_MEAN, builtin.IMAGENET_STD)
+    train_tf = T.Compose(
+        [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(), normalize]
+    )
+    val_tf = T.Compose(
+        [
+            T.Resize(int(image_size * 256 / 224)),
+            T.CenterCrop(image_size),
+            T.ToTensor(),
+            normalize,
+        ]
+    )
+    return (
+        torchvision.datasets.ImageFolder(root / "train", train_tf),
+        torchvision.datasets.ImageFolder(root / "val", val_tf),
+    )
+
+
 def parse_args() -> argparse.Namespace:
     """The scripts' own flags and defaults (workers, the peak lr from the batch); this loop uses the workload's."""
     parser = utils.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     utils.check_args(args)
-    if args.dataset != "fake":
-        parser.error("the textbook loop reads --dataset fake only")
+    if args.dataset not in ("fake", "imagefolder"):
+        parser.error("the textbook loop reads --dataset fake or imagefolder only")
     return args
 
 
@@ -66,20 +108,12 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     workers = args.workers
 
-    normalize = T.Normalize(builtin.CIFAR_MEAN, builtin.CIFAR_STD)
-    train_tf = T.Compose(
-        [
-            T.RandomCrop(args.image_size, padding=args.image_size // 8),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            normalize,
-        ]
-    )
-    train_set = CIFARStyle(builtin.fake_images(args.fake_size, args.image_size, "train"), train_tf)
-    val_set = CIFARStyle(
-        builtin.fake_images(args.fake_size // builtin.FAKE_VAL_FRACTION, args.image_size, "val"),
-        T.Compose([T.ToTensor(), normalize]),
-    )
+    if args.dataset == "imagefolder":
+        train_set, val_set = image_folders(Path(args.data_dir), args.image_size)
+        classes = len(train_set.classes)
+    else:
+        train_set, val_set = fake_images(args.fake_size, args.image_size)
+        classes = builtin.FAKE_CLASSES
     sampler = DistributedSampler(train_set, seed=args.seed, drop_last=True)
     batch = args.batch_size // world_size
     loader = DataLoader(
@@ -96,7 +130,7 @@ def main() -> None:
     )
 
     torch.manual_seed(args.seed)
-    model = builtin.model(args.arch, builtin.FAKE_CLASSES, args.image_size).to(device)
+    model = builtin.model(args.arch, classes, args.image_size).to(device)
     model = DDP(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
