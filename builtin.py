@@ -30,6 +30,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# what --dataset imagefolder reads: torchvision's ImageFolder's extensions
+IMAGE_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
 FAKE_CLASSES = 10
 FAKE_VAL_FRACTION = 5  # fake validation set = fake_size // 5 images
 
@@ -160,9 +162,6 @@ class ImageFiles(torchvision.datasets.ImageFolder):
         left = (width - w) // 2
         top = (height - h) // 2
         return (left, top, left + w, top + h), rng.random() < 0.5
-
-
-IMAGE_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
 
 
 def center_crop(size: tuple[int, int], image_size: int) -> tuple[float, float, float, float]:
