@@ -1,12 +1,14 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler, FSDP with CPU offload and
 activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a stall, a clean
-end), for a machine with a GPU. CI has none, so this is run by hand there: `python tests/gpu_check.py`; it prints what
-it measured, one line per check, and exits non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
+end, an image folder, and GPU JPEG decoding measured against the CPU's), for a machine with a GPU. CI has none, so
+this is run by hand there: `python tests/gpu_check.py`; it prints what it measured, one line per check, and exits
+non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import tempfile
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -417,7 +420,71 @@ def a_stall_on_the_gpu(tmp: Path) -> None:
     )
 
 
+def images_on_the_gpu(tmp: Path) -> None:
+    """An image folder trains on cuda with DataLoader workers (uint8 pinned, normalised on the
+    GPU); and torchvision's GPU JPEG decoding of a batch, with each image's 224-pixel crop, against
+    builtin.ImageFiles on one CPU core (docs/speed.md, "Image folders")."""
+    import builtin
+    import torchvision
+    from image_files import write_image_folder
+    from torchvision.transforms.v2 import functional as TF
+
+    root = write_image_folder(tmp / "varied", "varied", 4, 150, 20)
+    out = tmp / "images-out"
+    flags = ["--dataset", "imagefolder", "--data-dir", root, "--arch", "tiny", "--image-size", "24"]
+    run(
+        python(
+            "distributed.py",
+            *flags,
+            "--batch-size",
+            "32",
+            "--epochs",
+            "3",
+            "--workers",
+            "2",
+            "--output-dir",
+            out,
+        )
+    )
+    acc = metrics(out)[-1]["val_acc"]
+    check("an image folder trains on cuda with 2 workers", acc >= 0.9, f"val_acc {acc:.3f}")
+    shaped = write_image_folder(tmp / "imagenet", "imagenet", 4, 64, 1) / "train"
+    ours = builtin.ImageFiles(shaped, 224, 0, augment=True)
+    files = [torchvision.io.read_file(path) for path, _ in ours.samples]
+    boxes = [
+        ours.random_crop(Image.open(path).size, i)[0] for i, (path, _) in enumerate(ours.samples)
+    ]
+
+    def gpu_batch() -> torch.Tensor:
+        images = torchvision.io.decode_jpeg(files, device="cuda")
+        crops = [
+            TF.resized_crop(image, top, left, bottom - top, right - left, [224, 224])
+            for image, (left, top, right, bottom) in zip(images, boxes)
+        ]
+        return torch.stack(crops)
+
+    gpu_batch()  # the decoder's start-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        gpu_batch()
+    torch.cuda.synchronize()
+    gpu = 5 * len(files) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for i in range(len(ours)):
+        ours[i]
+    cpu = len(ours) / (time.perf_counter() - start)
+    cores = len(os.sched_getaffinity(0))
+    check(
+        "GPU JPEG decoding against the workers' CPU decoding, measured",
+        gpu > 0 and cpu > 0,
+        f"{len(files)} ImageNet-shaped JPEGs, read beforehand: decode_jpeg on cuda with 224-pixel crops {gpu:.0f} "
+        f"images/s; builtin.ImageFiles {cpu:.0f} per CPU core, x {cores} cores = {cpu * cores:.0f}",
+    )
+
+
 SECTIONS = {
+    "images": images_on_the_gpu,
     "task": your_task_on_the_gpu,
     "stall": a_stall_on_the_gpu,
     "stream": a_stream_on_the_gpu,
