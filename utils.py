@@ -1037,7 +1037,8 @@ class Meter:
         both = all_reduce(torch.cat([self.sums, failed])).cpu()
         if both[SUMS]:
             raise UsageError(next(e for e in all_gather_objects(self.error) if e))
-        return both[:SUMS]
+        # In a tensor of their own, which a checkpoint keeps as it is.
+        return both[:SUMS].clone()
 
     def all_ranks(self) -> Sums:
         """The sums over all ranks (a collective)."""
