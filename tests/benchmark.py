@@ -590,10 +590,10 @@ def image_folder_benchmark(args, gpus: int) -> None:
     """Loader rows (images/s per core, the textbook's and ours in turn, the best of --repeats) and
     training rows (the textbook loop and distributed.py) on each generated folder."""
     torch.set_num_threads(1)
-    n = max(gpus, 1) if gpus else 2
-    cases = [
-        Case(TEXTBOOK, "tests/textbook.py", n),
-        Case(f"DDP, {n} processes", "distributed.py", n),
+    processes = gpus or 2
+    pair = [
+        Case(TEXTBOOK, "tests/textbook.py", processes),
+        Case(f"DDP, {processes} processes", "distributed.py", processes),
     ]
     rates: dict[str, dict[str, float]] = {}
     trained: dict[str, dict[str, dict]] = {}
@@ -611,17 +611,29 @@ def image_folder_benchmark(args, gpus: int) -> None:
                     rates[name][key] = max(rates[name][key], loader_rate(dataset))
             print(f"{name}: {rates[name]}", file=sys.stderr, flush=True)
             common = [
-                *("--dataset", "imagefolder", "--data-dir", str(root)),
-                *("--image-size", str(args.image_size), "--arch", args.arch),
-                *("--batch-size", str(args.batch_size), "--epochs", str(args.epochs)),
-                *("--print-freq", "100000", "--workers", str(args.workers or 1)),
+                "--dataset",
+                "imagefolder",
+                "--data-dir",
+                str(root),
+                "--image-size",
+                str(args.image_size),
+                "--arch",
+                args.arch,
+                "--batch-size",
+                str(args.batch_size),
+                "--epochs",
+                str(args.epochs),
+                "--print-freq",
+                "100000",
+                "--workers",
+                str(args.workers or 1),
             ]
-            runs: dict[str, list] = {case.name: [] for case in cases}
+            runs: dict[str, list] = {case.name: [] for case in pair}
             for round_ in range(args.repeats):
-                for i, case in enumerate(cases):
+                for i, case in enumerate(pair):
                     out = Path(tmp) / f"{shape}-{round_}-{i}"
                     runs[case.name].append(run_case(case, common, out))
-            trained[name] = {case.name: summarise(runs[case.name]) for case in cases}
+            trained[name] = {case.name: summarise(runs[case.name]) for case in pair}
     print(
         f"Loaders: every training image of each folder read once by one core, {args.image_size} "
         f"px, the best of {args.repeats} rounds.\n"
@@ -638,8 +650,14 @@ def image_folder_benchmark(args, gpus: int) -> None:
             f"{args.batch_size}, {args.epochs} epochs per run (first is warm-up), {args.repeats} "
             f"runs per case, {args.workers or 1} DataLoader worker per process.\n"
         )
-        print(table([(case, results[case.name]) for case in cases], args.batch_size))
-        print(textbook_ratio(results, cases[1].name))
+        print(table([(case, results[case.name]) for case in pair], args.batch_size))
+        print(textbook_ratio(results, pair[1].name))
+
+
+def machine_and_command() -> str:
+    """A table's last lines: the machine, and the command that made it."""
+    command = shlex.join(sys.argv[1:])
+    return f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {command}"
 
 
 def hardware() -> str:
@@ -722,10 +740,7 @@ def main() -> None:
             setattr(args, key, value)
     if args.image_folders:
         image_folder_benchmark(args, gpus)
-        print(
-            f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py "
-            f"{shlex.join(sys.argv[1:])}"
-        )
+        print(machine_and_command())
         return
     all_cases = cases(args.quick, gpus, not args.without_before)
     wanted = args.only.split("|") if args.only else []  # an exact name picks that case alone
@@ -791,9 +806,7 @@ def main() -> None:
             print(watchdog_ratio(results, "DDP fp32", "DDP fp32, no watchdog"))
         if {"DDP fp32 + EMA 0.999", "DDP fp32"} <= results.keys():
             print(ema_ratio(results, "DDP fp32 + EMA 0.999", "DDP fp32"))
-    print(
-        f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {shlex.join(sys.argv[1:])}"
-    )
+    print(machine_and_command())
     if args.chart:
         Path(args.chart).write_text(
             chart(

@@ -478,8 +478,9 @@ def images_on_the_gpu(tmp: Path) -> None:
     check(
         "GPU JPEG decoding against the workers' CPU decoding, measured",
         gpu > 0 and cpu > 0,
-        f"{len(files)} ImageNet-shaped JPEGs, read beforehand: decode_jpeg on cuda with 224-pixel crops {gpu:.0f} "
-        f"images/s; builtin.ImageFiles {cpu:.0f} per CPU core, x {cores} cores = {cpu * cores:.0f}",
+        f"{len(files)} ImageNet-shaped JPEGs, read beforehand: decode_jpeg on cuda with "
+        f"224-pixel crops {gpu:.0f} images/s; builtin.ImageFiles {cpu:.0f} per CPU core, "
+        f"x {cores} cores = {cpu * cores:.0f}",
     )
 
 

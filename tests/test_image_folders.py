@@ -5,7 +5,6 @@ cannot be read named in one line on every rank."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +223,12 @@ BAD_FILES = {
 }
 
 
+def run_two_ranks(root: Path, out: Path, workers: str):
+    """The tiny job on root, 2 processes of batch 4, one epoch's worth of steps before failing."""
+    flags = [*EXACT, "--batch-size", "8", "--workers", workers, "--data-dir", root]
+    return run(torchrun(2, "distributed.py", *flags, "--output-dir", out), check=False)
+
+
 @pytest.mark.parametrize("case", BAD_FILES)
 def test_a_file_that_cannot_be_read_ends_every_rank_naming_it(case, tmp_path):
     """A truncated JPEG and a text file named .jpg (read by a DataLoader worker of one rank), an
@@ -231,23 +236,7 @@ def test_a_file_that_cannot_be_read_ends_every_rank_naming_it(case, tmp_path):
     root = write_image_folder(tmp_path / "images", "varied", 2, 16, 4)
     bad, line = BAD_FILES[case]
     line = "error: " + line.format(bad(root))
-    result = run(
-        torchrun(
-            2,
-            "distributed.py",
-            *EXACT,
-            "--batch-size",
-            "8",
-            "--workers",
-            "1",
-            "--data-dir",
-            root,
-            "--output-dir",
-            tmp_path / "out",
-        ),
-        check=False,
-    )
-    ends_every_rank_with(result, line)
+    ends_every_rank_with(run_two_ranks(root, tmp_path / "out", "1"), line)
 
 
 def test_a_bad_validation_file_ends_every_rank_naming_it(tmp_path):
@@ -255,22 +244,7 @@ def test_a_bad_validation_file_ends_every_rank_naming_it(tmp_path):
     sums are added up, and all end with its line."""
     root = write_image_folder(tmp_path / "images", "varied", 2, 16, 4)
     path = truncated(root).rename(root / "val/class0/1.jpg")
-    result = run(
-        torchrun(
-            2,
-            "distributed.py",
-            *EXACT,
-            "--batch-size",
-            "8",
-            "--workers",
-            "0",
-            "--data-dir",
-            root,
-            "--output-dir",
-            tmp_path / "out",
-        ),
-        check=False,
-    )
+    result = run_two_ranks(root, tmp_path / "out", "0")
     ends_every_rank_with(result, f"error: cannot read {path} (image file is truncated")
 
 
@@ -293,4 +267,3 @@ def test_a_generated_folder_is_the_same_for_the_same_seed(tmp_path):
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
     sizes = [Image.open(a / f).size for f in files]
     assert all(400 <= w <= 600 and 300 <= h <= 450 for w, h in sizes)
-    shutil.rmtree(b)
