@@ -9,15 +9,18 @@ on the first GPU. Simple, but slower than DDP: prefer distributed.py.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
-import utils  # first: it quiets PyTorch's C++ logging before torch loads
-import stalls
+# first: the folder quiets PyTorch's C++ logging before torch loads
+from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks, stalls
+from utils import stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils import UsageError, log
+from utils.errors import UsageError
+from utils.ranks import log
 
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
@@ -26,7 +29,7 @@ def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
     # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
-    import builtin
+    from utils import builtin
 
     return builtin.datasets(args)
 
@@ -34,7 +37,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    import builtin  # --arch: tiny or a torchvision classifier
+    from utils import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -58,12 +61,12 @@ def collate(samples: list):
 
 
 def parse_args():
-    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser = flags.build_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--gpu", default=None, help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)"
     )
     args = parser.parse_args()
-    utils.check_args(args)
+    flags.check_args(args)
     return args
 
 
@@ -87,18 +90,18 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=utils.Counted(collate),
+        collate_fn=batches.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=stalls.init_worker,
-        multiprocessing_context=stalls.worker_start(args.workers),
+        worker_init_fn=workers.init_worker,
+        multiprocessing_context=workers.worker_start(args.workers),
     )
     # one process loads the whole batch; DataParallel splits it over the GPUs
     # a stream is read here (streams.py: copy it beside the script for a stream), as the DDP scripts
     # read it at world size 1
     if isinstance(train_set, IterableDataset):
-        import streams
+        from utils import streams
 
         train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1)
         train_loader = DataLoader(
@@ -121,7 +124,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         )
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
     if isinstance(val_set, IterableDataset):
-        import streams
+        from utils import streams
 
         val_sampler = streams.StreamSampler(val_set, args.batch_size, 0, 1, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
@@ -144,6 +147,7 @@ def train_one_epoch(
     save,
     records,
     ema,
+    watchdog,
 ) -> dict:
     model.train()
     # continued mid-epoch: with the sums the checkpoint kept
@@ -152,14 +156,15 @@ def train_one_epoch(
     steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(
+        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        inputs, targets = batches.batch_to_device(
             batch, device, loader.dataset, args.channels_last, key=(epoch, step)
         )
-        outputs = utils.forward(model, inputs)
+        outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         # replicas' gradients are summed onto the first GPU
-        utils.loss_for_backward(loss).backward()
+        batches.loss_for_backward(loss).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -177,26 +182,29 @@ def train_one_epoch(
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
-                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+                epoch,
+                step,
+                ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
             )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
-            raise utils.Stopped(signum, epoch, step, steps)
+            raise errors.Stopped(signum, epoch, step, steps)
     return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device) -> dict:
+def evaluate(model, loader, args, device, watchdog) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once."""
-    module = utils.unwrap(model)  # one device is enough to score
+    module = ranks.unwrap(model)  # one device is enough to score
     module.eval()
-    meter = utils.Meter(device)
+    meter = metrics.Meter(device)
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
     for samples, batch in meter.read(loader):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        outputs = utils.forward(module, inputs)
+        watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
     totals = meter.all_ranks()  # sums over all ranks
     return dict(
@@ -204,21 +212,21 @@ def evaluate(model, loader, args, device) -> dict:
     )
 
 
-def main():
+def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, world_size = 0, 1  # one process
-    utils.setup_logging(rank)
-    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    ranks.setup_logging(rank)
+    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:
-            utils.check_output_dir(output_dir)
+            checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
-    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
-    batch_per_gpu = utils.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
+    batch_per_gpu = ranks.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
     log.info(
         f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
         f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} "
@@ -231,14 +239,14 @@ def main():
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = build_loaders(train_set, val_set, args, device)
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
+    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
     if args.channels_last:
         # NHWC: what Tensor Core convolutions read
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(
+    flops_per_sample = checks.check_first_step(
         model,
         train_loader,
         compute_loss,
@@ -247,36 +255,34 @@ def main():
         # no DDP reducer to wait for their gradients
         unused_ok=True,
     )
-    if args.sync_bn or args.comm_hook:
-        raise UsageError("--sync-bn and --comm-hook work with DDP only: use distributed.py")
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
-    optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = optimizers.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
+    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = utils.EMA(model, args.ema)
+    ema = optimizers.EMA(model, args.ema)
     checkpoint_path = output_dir / "checkpoint.pt"
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
+    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
         a run that diverged, ends every rank."""
         # the epoch's sums over all ranks: the next record and epoch need them
-        progress = records.state_dict()
-        with utils.errors_shared_by_all_ranks():
+        progress = records.all_ranks_state_dict()
+        with ranks.errors_shared_by_all_ranks():
             if rank == 0:
                 # never NaN over the last good checkpoint
-                utils.check_finite(model, epoch, step, record, args)
+                checks.check_finite(model, epoch, step, record, args)
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                utils.save_checkpoint(
+                checkpoints.save_checkpoint(
                     {
-                        "model": utils.unwrap(model).state_dict(),
+                        "model": ranks.unwrap(model).state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
                         "ema": ema.state_dict(),
@@ -286,30 +292,31 @@ def main():
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
-                        **utils.rng_states(),
+                        **checkpoints.rng_states(),
                     },
                     checkpoint_path,
+                    watchdog,
                 )
                 if args.ema:  # and the average alone, with plain keys
                     with ema.swapped():
-                        utils.save_checkpoint(
-                            utils.unwrap(model).state_dict(), output_dir / "model_ema.pt"
+                        checkpoints.save_checkpoint(
+                            ranks.unwrap(model).state_dict(), output_dir / "model_ema.pt", watchdog
                         )
 
-    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = utils.restore(
+        start_epoch, first_step = checkpoints.restore(
             state,
             checkpoint_path,
             args,
-            model=utils.unwrap(model),
+            model=ranks.unwrap(model),
             optimizer=optimizer,
             scheduler=scheduler,
             records=records,
             ema=ema,
         )
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
 
@@ -318,7 +325,7 @@ def main():
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (a stream's too)
         # the epoch told to the dataset (an image folder draws its crops from it); continued
         # mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, epoch, first_step)
+        loader = batches.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,
@@ -333,10 +340,11 @@ def main():
             save,
             records,
             ema,
+            watchdog,
         )
         first_step = 0
         # --ema: the average's too
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
@@ -344,14 +352,14 @@ def main():
             **validation,
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
-            **utils.memory_mb(model, optimizer, device),
+            **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
         save(epoch + 1, 0, record)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
-    with utils.errors_shared_by_all_ranks():
-        utils.save_pretrained(utils.unwrap(model), output_dir / "hf")
+    with ranks.errors_shared_by_all_ranks():
+        checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog=watchdog)
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    errors.run_main(main)

@@ -11,11 +11,13 @@ copy takes the same optimizer step.
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
-import utils  # first: it quiets PyTorch's C++ logging before torch loads
-import stalls
+# first: the folder quiets PyTorch's C++ logging before torch loads
+from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks, stalls
+from utils import stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils import UsageError, log
+from utils.errors import UsageError
+from utils.ranks import log
 
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
@@ -32,7 +35,7 @@ def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
     # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
-    import builtin
+    from utils import builtin
 
     return builtin.datasets(args)
 
@@ -40,7 +43,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    import builtin  # --arch: tiny or a torchvision classifier
+    from utils import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -64,7 +67,22 @@ def collate(samples: list):
 
 
 def parse_args():
-    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser = flags.build_parser(__doc__.splitlines()[0])
+    # DDP's own flags
+    parser.add_argument(
+        "--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs"
+    )
+    parser.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="allow parameters without a gradient in some steps",
+    )
+    parser.add_argument(
+        "--comm-hook",
+        choices=["bf16"],
+        default=None,
+        help="all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook)",
+    )
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(
         "--local-rank",
@@ -74,7 +92,7 @@ def parse_args():
         help="set by torch.distributed.launch; read from LOCAL_RANK otherwise",
     )
     args = parser.parse_args()
-    utils.check_args(args)
+    flags.check_args(args)
     return args
 
 
@@ -89,7 +107,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         )
         env.setdefault(
             "MASTER_ADDR",
-            utils.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+            ranks.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
         )
         env.setdefault("MASTER_PORT", str(args.port or 29500))
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
@@ -104,7 +122,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+        ranks.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     if args.dist_url:
         init_method = args.dist_url
@@ -116,7 +134,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         init_method = None  # plain `python distributed.py`: a world of one
     timeout = timedelta(seconds=args.timeout)
     try:
-        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -128,7 +146,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             device_id=device if backend == "nccl" else None,
         )
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+        raise UsageError(ranks.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device
 
 
@@ -140,18 +158,18 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=utils.Counted(collate),
+        collate_fn=batches.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=stalls.init_worker,
-        multiprocessing_context=stalls.worker_start(args.workers),
+        worker_init_fn=workers.init_worker,
+        multiprocessing_context=workers.worker_start(args.workers),
     )
     # a stream is read here (streams.py: copy it beside the script for a stream): each rank its part
     # of every global batch, lists of samples the workers collate (so they never read the stream,
     # which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
-        import streams
+        from utils import streams
 
         train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
         train_loader = DataLoader(
@@ -176,7 +194,7 @@ def build_loaders(
     # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
     # repeated images)
     if isinstance(val_set, IterableDataset):
-        import streams
+        from utils import streams
 
         val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
@@ -201,6 +219,7 @@ def train_one_epoch(
     save,
     records,
     ema,
+    watchdog,
 ) -> dict:
     model.train()
     # continued mid-epoch: with the sums the checkpoint kept
@@ -209,15 +228,16 @@ def train_one_epoch(
     steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(
+        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        inputs, targets = batches.batch_to_device(
             batch, device, loader.dataset, args.channels_last, key=(epoch, step)
         )
-        outputs = utils.forward(model, inputs)
+        outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; DDP all-reduces the gradients here,
         # bucket by bucket
-        utils.loss_for_backward(loss).backward()
+        batches.loss_for_backward(loss).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -236,29 +256,32 @@ def train_one_epoch(
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
-                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+                epoch,
+                step,
+                ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
             )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
-            raise utils.Stopped(signum, epoch, step, steps)
+            raise errors.Stopped(signum, epoch, step, steps)
     return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device) -> dict:
+def evaluate(model, loader, args, device, watchdog) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once."""
-    module = utils.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
+    module = ranks.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     module.eval()
-    meter = utils.Meter(device)
+    meter = metrics.Meter(device)
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
     for samples, batch in meter.read(loader):
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        outputs = utils.forward(module, inputs)
+        watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
     totals = meter.all_ranks()  # sums over all ranks
     return dict(
@@ -266,19 +289,19 @@ def evaluate(model, loader, args, device) -> dict:
     )
 
 
-def main():
+def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
-    utils.setup_logging(rank)
-    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    ranks.setup_logging(rank)
+    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:
-            utils.check_output_dir(output_dir)
+            checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
-    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
-    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
         f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
@@ -293,14 +316,14 @@ def main():
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
+    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     model = build_model(args, num_classes)
     if args.channels_last:
         # NHWC: what Tensor Core convolutions read
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(
+    flops_per_sample = checks.check_first_step(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     if args.sync_bn:
@@ -314,7 +337,7 @@ def main():
         device_ids=[local_rank] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=args.find_unused_parameters,
-        **utils.no_buffer_sync_per_forward(),
+        **ranks.no_buffer_sync_per_forward(),
     )
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
     if args.comm_hook:
@@ -322,30 +345,30 @@ def main():
     if args.compile:
         # DDP's buckets split the compiled graph
         model = torch.compile(model, mode=args.compile_mode)
-    optimizer = utils.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = optimizers.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
+    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = utils.EMA(model, args.ema)
+    ema = optimizers.EMA(model, args.ema)
     checkpoint_path = output_dir / "checkpoint.pt"
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
+    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
         a run that diverged, ends every rank."""
         # the epoch's sums over all ranks: the next record and epoch need them
-        progress = records.state_dict()
-        with utils.errors_shared_by_all_ranks():
+        progress = records.all_ranks_state_dict()
+        with ranks.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights
                 # never NaN over the last good checkpoint
-                utils.check_finite(model, epoch, step, record, args)
+                checks.check_finite(model, epoch, step, record, args)
                 if record:  # first: a crash before the checkpoint is written redoes the epoch
                     records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                utils.save_checkpoint(
+                checkpoints.save_checkpoint(
                     {
-                        "model": utils.unwrap(model).state_dict(),
+                        "model": ranks.unwrap(model).state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
                         "ema": ema.state_dict(),
@@ -355,30 +378,31 @@ def main():
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
-                        **utils.rng_states(),
+                        **checkpoints.rng_states(),
                     },
                     checkpoint_path,
+                    watchdog,
                 )
                 if args.ema:  # and the average alone, with plain keys
                     with ema.swapped():
-                        utils.save_checkpoint(
-                            utils.unwrap(model).state_dict(), output_dir / "model_ema.pt"
+                        checkpoints.save_checkpoint(
+                            ranks.unwrap(model).state_dict(), output_dir / "model_ema.pt", watchdog
                         )
 
-    state = utils.load_checkpoint_everywhere(checkpoint_path, rank)
+    state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
     start_epoch, first_step = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = utils.restore(
+        start_epoch, first_step = checkpoints.restore(
             state,
             checkpoint_path,
             args,
-            model=utils.unwrap(model),
+            model=ranks.unwrap(model),
             optimizer=optimizer,
             scheduler=scheduler,
             records=records,
             ema=ema,
         )
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
 
@@ -388,7 +412,7 @@ def main():
         train_loader.sampler.set_epoch(epoch)
         # the epoch told to the dataset (an image folder draws its crops from it); continued
         # mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, epoch, first_step)
+        loader = batches.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,
@@ -403,10 +427,11 @@ def main():
             save,
             records,
             ema,
+            watchdog,
         )
         first_step = 0
         # --ema: the average's too
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
@@ -414,17 +439,17 @@ def main():
             **validation,
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
-            **utils.memory_mb(model, optimizer, device),
+            **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
         save(epoch + 1, 0, record)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:
-            utils.save_pretrained(utils.unwrap(model), output_dir / "hf")
+            checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog=watchdog)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    errors.run_main(main)

@@ -19,11 +19,13 @@ import contextlib
 import errno
 import os
 import shutil
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
-import utils  # first: it quiets PyTorch's C++ logging before torch loads
-import stalls
+# first: the folder quiets PyTorch's C++ logging before torch loads
+from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers, ranks
+from utils import stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,7 +47,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils import UsageError, log
+from utils.errors import UsageError
+from utils.ranks import log
 
 # ---- your data, model and task: replace these four bodies, nothing else ----
 
@@ -54,7 +57,7 @@ def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
     # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
-    import builtin
+    from utils import builtin
 
     return builtin.datasets(args)
 
@@ -62,7 +65,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    import builtin  # --arch: tiny or a torchvision classifier
+    from utils import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -86,7 +89,7 @@ def collate(samples: list):
 
 
 def parse_args():
-    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser = flags.build_parser(__doc__.splitlines()[0])
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(
         "--local-rank",
@@ -128,7 +131,7 @@ def parse_args():
         help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)",
     )
     args = parser.parse_args()
-    utils.check_args(args)
+    flags.check_args(args)
     return args
 
 
@@ -143,7 +146,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         )
         env.setdefault(
             "MASTER_ADDR",
-            utils.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+            ranks.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
         )
         env.setdefault("MASTER_PORT", str(args.port or 29500))
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
@@ -158,7 +161,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        utils.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+        ranks.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     # offloaded gradients: their norm is all-reduced on the CPU
     if args.cpu_offload and backend == "nccl":
@@ -173,7 +176,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         init_method = None  # plain `python distributed.py`: a world of one
     timeout = timedelta(seconds=args.timeout)
     try:
-        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -185,7 +188,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             device_id=device if "nccl" in backend else None,
         )
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        raise UsageError(utils.describe_init_error(e, init_method or "local store")) from None
+        raise UsageError(ranks.describe_init_error(e, init_method or "local store")) from None
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
     if device.type == "cpu":
         average = torch.zeros(1)
@@ -206,18 +209,18 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=utils.Counted(collate),
+        collate_fn=batches.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=stalls.init_worker,
-        multiprocessing_context=stalls.worker_start(args.workers),
+        worker_init_fn=workers.init_worker,
+        multiprocessing_context=workers.worker_start(args.workers),
     )
     # a stream is read here (streams.py: copy it beside the script for a stream): each rank its part
     # of every global batch, lists of samples the workers collate (so they never read the stream,
     # which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
-        import streams
+        from utils import streams
 
         train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
         train_loader = DataLoader(
@@ -242,7 +245,7 @@ def build_loaders(
     # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
     # repeated images)
     if isinstance(val_set, IterableDataset):
-        import streams
+        from utils import streams
 
         val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
@@ -290,12 +293,12 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
                 model = build_model(args, num_classes)
         except Exception as e:  # a user's code: any type; built as on rank 0, still trained
             log.warning(
-                f"build_model cannot build on the meta device ({utils.first_line(e)}): rank {rank}"
+                f"build_model cannot build on the meta device ({errors.first_line(e)}): rank {rank}"
                 " builds the whole model in memory"
             )
     if model is None:
         model = build_model(args, num_classes)
-    torch.set_rng_state(utils.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
+    torch.set_rng_state(ranks.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
     return model
 
 
@@ -356,7 +359,7 @@ def shard_model(
             )
         else:
             for block in units:
-                utils.checkpoint_activations(block)  # the checkpoint's keys stay plain
+                internals.checkpoint_activations(block)  # the checkpoint's keys stay plain
     # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in
     # float32 for the loss; --cpu-offload: shards in host memory, each block copied to the GPU for
     # its forward and backward
@@ -395,6 +398,7 @@ def train_one_epoch(
     save,
     records,
     ema,
+    watchdog,
 ) -> dict:
     model.train()
     # continued mid-epoch: with the sums the checkpoint kept
@@ -403,14 +407,15 @@ def train_one_epoch(
     steps = records.steps_per_epoch
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        inputs, targets = utils.batch_to_device(
+        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        inputs, targets = batches.batch_to_device(
             batch, device, loader.dataset, args.channels_last, key=(epoch, step)
         )
-        outputs = utils.forward(model, inputs)
+        outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's
         # gradients here: every rank keeps the mean gradient of its own shard
-        scaler.scale(utils.loss_for_backward(loss)).backward()
+        scaler.scale(batches.loss_for_backward(loss)).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -435,50 +440,53 @@ def train_one_epoch(
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
-                epoch, step, ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+                epoch,
+                step,
+                ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
             )
             model.train()
         if signum or (args.save_every and step % args.save_every == 0):
             # this point of the epoch: the same command continues from here
             save(epoch, step, final=bool(signum))
         if signum:
-            raise utils.Stopped(signum, epoch, step, steps)
+            raise errors.Stopped(signum, epoch, step, steps)
     return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device) -> dict:
+def evaluate(model, loader, args, device, watchdog) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once."""
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in model.buffers():
         dist.broadcast(buffer, 0)
     model.eval()
-    meter = utils.Meter(device)
+    meter = metrics.Meter(device)
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
-    spare = (0, loader.collate_fn(utils.first_samples(loader, 1))[1])
+    spare = (0, loader.collate_fn(batches.first_samples(loader, 1))[1])
     # a batch this rank cannot read (a bad file) ends its share, and all_ranks() every rank
     shard = meter.read(loader)
     while True:
         item = next(shard, None)
         # the ranks that have a batch
-        if not utils.all_reduce(torch.tensor(int(item is not None), device=device)):
+        if not ranks.all_reduce(torch.tensor(int(item is not None), device=device)):
             break
         samples, batch = item or spare
-        inputs, targets = utils.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        outputs = utils.forward(model, inputs)
+        watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
+        outputs = batches.forward(model, inputs)
         if samples:
             meter.update(compute_loss(outputs, targets), outputs, targets, samples)
     # the root keeps its weights gathered after forward, for a backward: free them
-    utils.unwrap(model).reshard()
+    ranks.unwrap(model).reshard()
     totals = meter.all_ranks()  # sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )
 
 
-def save_sharded(state: dict, directory: Path, rank: int) -> None:
+def save_sharded(state: dict, directory: Path, rank: int, watchdog) -> None:
     """Every rank writes its shards into a new directory at once; rank 0 then puts it in place of
     the last one, so that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
     new, old = (
@@ -486,12 +494,12 @@ def save_sharded(state: dict, directory: Path, rank: int) -> None:
         directory.with_name(directory.name + ".old"),
     )
     try:
-        with utils.progress.writing(directory, new):  # progress while the shard files grow
+        with watchdog.writing(directory, new):  # progress while the shard files grow
             dcp.save(state, checkpoint_id=new)
         # it copied GPU shards through pinned host memory, which CUDA keeps cached:
         if torch.cuda.is_available():
             # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
-            utils.free_cached_host_memory()
+            internals.free_cached_host_memory()
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         # a failed write() names no file: name the directory
         error = next(error for error, _ in e.failures.values())
@@ -547,29 +555,29 @@ def load_sharded(
     except Exception as e:  # many types
         raise UsageError(
             f"{path} is not readable or does not fit this model or these flags"
-            f" ({utils.first_line(e)}): use another --output-dir"
+            f" ({errors.first_line(e)}): use another --output-dir"
         ) from None
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def main():
+def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
-    utils.setup_logging(rank)
-    stop = utils.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    ranks.setup_logging(rank)
+    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
     output_dir = Path(args.output_dir)
     checkpoint_dir = output_dir / "checkpoint"
     # before data and model: a bad path fails at once, on every rank
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:
-            utils.check_output_dir(output_dir)
+            checks.check_output_dir(output_dir)
             # a killed write's
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it)
-    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
-    batch_per_rank = utils.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     if args.replicate < 1 or world_size % args.replicate:
         raise UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes")
@@ -605,21 +613,15 @@ def main():
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
+    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
     model = build_once(args, num_classes, rank)
-    if args.sync_bn or args.find_unused_parameters or args.comm_hook:
-        raise UsageError(
-            "--sync-bn, --find-unused-parameters and --comm-hook are DDP's: FSDP shards"
-            " normalisation statistics with nothing and trains parameters without gradient as they"
-            " are; use distributed.py"
-        )
     if args.channels_last:
         # NHWC: what Tensor Core convolutions read
         model = model.to(memory_format=torch.channels_last)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
-    with utils.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
+    with ranks.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
         check_state_fits(model, world_size // args.replicate, args, place)
     # rank 0's weights, to send each rank its shards of them
     whole = model.state_dict() if rank == 0 else {}
@@ -638,23 +640,23 @@ def main():
         dist.broadcast(buffer, 0)
     del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = utils.check_first_step(
+    flops_per_sample = checks.check_first_step(
         model, train_loader, compute_loss, args, device, unused_ok=True
     )
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
-    module = utils.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
-    optimizer = utils.build_optimizer(model.parameters(), args)  # over this rank's shards only
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    module = ranks.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
+    optimizer = optimizers.build_optimizer(model.parameters(), args)  # over this rank's shards only
+    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
     scaler = ShardedGradScaler(
         device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
     )
     # --ema: a moving average of this rank's shards, validated and saved beside them
-    ema = utils.EMA(model, args.ema)
+    ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = utils.StepRecords(output_dir, args, rank, steps_per_epoch)
+    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
 
     def training_state() -> dict:
         """What continues the run exactly: every rank its own shards of the model and the optimizer,
@@ -668,27 +670,29 @@ def main():
             **optimizer_state,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
-            "records": records.state_dict(),
+            "records": records.all_ranks_state_dict(),
             "ema": ema.state_dict(),
             "arch": args.arch,
             "optimizer_name": args.optimizer,
             "epoch": 0,
             "step": 0,
             "seed": args.seed,
-            **utils.rng_states(),
+            **checkpoints.rng_states(),
         }
 
     def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
         """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every
         rank."""
         # agreed before the sharded save, a collective, begins
-        with utils.errors_shared_by_all_ranks():
-            utils.check_finite(model, epoch, step, record, args)  # each rank its own shards
+        with ranks.errors_shared_by_all_ranks():
+            checks.check_finite(model, epoch, step, record, args)  # each rank its own shards
             # first: a crash before the checkpoint is written redoes the epoch
             if rank == 0 and record:
                 records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-        with utils.errors_shared_by_all_ranks():
-            save_sharded({**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank)
+        with ranks.errors_shared_by_all_ranks():
+            save_sharded(
+                {**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank, watchdog
+            )
         # --ema: the average's twin
         for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
             # the whole weights, gathered once, with plain keys: for one process, inference or
@@ -698,24 +702,26 @@ def main():
                 weights = get_model_state_dict(
                     module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
                 )
-                with utils.errors_shared_by_all_ranks():
+                with ranks.errors_shared_by_all_ranks():
                     if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
-                        utils.save_checkpoint(weights, output_dir / f"{name}.pt")
+                        checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
                         if name == "model":
-                            utils.save_pretrained(module, output_dir / "hf", weights)
+                            checkpoints.save_pretrained(
+                                module, output_dir / "hf", weights, watchdog
+                            )
             del weights  # before the twin's: one whole copy at a time
 
     path = latest_checkpoint(checkpoint_dir, rank)
     start_epoch, first_step = 0, 0
     if path:
         state = training_state()
-        with utils.errors_shared_by_all_ranks():
+        with ranks.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
-        start_epoch, first_step = utils.restore(
+        start_epoch, first_step = checkpoints.restore(
             state, path, args, scheduler=scheduler, scaler=scaler, records=records, ema=ema
         )
-    with utils.errors_shared_by_all_ranks():
+    with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
             records.start(start_epoch, first_step)
 
@@ -725,7 +731,7 @@ def main():
         train_loader.sampler.set_epoch(epoch)
         # the epoch told to the dataset (an image folder draws its crops from it); continued
         # mid-epoch: the same order, without the batches already trained on
-        loader = utils.epoch_loader(train_loader, epoch, first_step)
+        loader = batches.epoch_loader(train_loader, epoch, first_step)
         record = train_one_epoch(
             model,
             loader,
@@ -741,10 +747,11 @@ def main():
             save,
             records,
             ema,
+            watchdog,
         )
         first_step = 0
         # --ema: the average's too
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device))
+        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog))
         records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
@@ -752,7 +759,7 @@ def main():
             **validation,
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
-            **utils.memory_mb(model, optimizer, device),
+            **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
         save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
@@ -761,4 +768,4 @@ def main():
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    errors.run_main(main)

@@ -35,7 +35,7 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
     str(Path(__file__).resolve().parents[1]),
 ]  # and utils
-import builtin  # noqa: E402
+from utils import builtin  # noqa: E402
 import textbook  # noqa: E402
 from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
@@ -102,7 +102,7 @@ def build_datasets(args):
 
 
 def build_model(args, num_classes):
-    import builtin
+    from utils import builtin
     return builtin.model("tiny", num_classes, 16)
 
 
@@ -341,7 +341,7 @@ def changed_copy(script: str, directory: Path, blocking: bool) -> str:
     for name in (script, "utils.py", "stalls.py", "builtin.py"):
         shutil.copy(ROOT / name, directory)
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
-    watchdog = "utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)"
+    watchdog = "watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))"
     name, old, new = (
         ("utils.py", agreement, agreement.replace("True", "False"))
         if blocking
@@ -349,7 +349,7 @@ def changed_copy(script: str, directory: Path, blocking: bool) -> str:
     )
     source = (directory / name).read_text()
     assert old in source, (
-        "utils.StopSignal or the script's watchdog line changed: update the benchmark's copy"
+        "stops.StopSignal or the script's watchdog line changed: update the benchmark's copy"
     )
     (directory / name).write_text(source.replace(old, new))
     return str(directory / script)

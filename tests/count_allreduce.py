@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
-import utils  # noqa: E402
+from utils import errors, metrics, optimizers, stops  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -35,8 +35,10 @@ def main():
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
-    scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
-    records = utils.StepRecords(Path(args.output_dir), args, rank, len(loader) // args.accum_steps)
+    scheduler = optimizers.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
+    records = metrics.StepRecords(
+        Path(args.output_dir), args, rank, len(loader) // args.accum_steps
+    )
     script.train_one_epoch(
         model,
         loader,
@@ -47,10 +49,10 @@ def main():
         0,
         args,
         device,
-        utils.StopSignal(),
+        stops.StopSignal(),
         None,
         records,
-        utils.EMA(model, args.ema),
+        optimizers.EMA(model, args.ema),
     )
     if rank == 0:
         print(
@@ -65,4 +67,4 @@ def main():
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    errors.run_main(main)

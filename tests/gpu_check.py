@@ -424,7 +424,7 @@ def images_on_the_gpu(tmp: Path) -> None:
     """An image folder trains on cuda with DataLoader workers (uint8 pinned, normalised on the
     GPU); and torchvision's GPU JPEG decoding of a batch, with each image's 224-pixel crop, against
     builtin.ImageFiles on one CPU core (docs/speed.md, "Image folders")."""
-    import builtin
+    from utils import builtin
     import torchvision
     from image_files import write_image_folder
     from torchvision.transforms.v2 import functional as TF

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import shutil
 import socket
@@ -14,8 +13,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import distributed
-import builtin
-import utils
+from utils import builtin
+from utils import batches, ranks
 
 from processes import (
     PYTHON,
@@ -140,38 +139,41 @@ def build_model(args, num_classes):
 def compute_loss(outputs, targets):
     return F.cross_entropy(outputs, targets)
 """
-# a project's own utils.py, which the scripts must leave alone once ours is ddp_utils.py
-THEIR_UTILS = 'raise ImportError("the project\'s own utils.py was imported")\n'
-
-
-def renamed_utils(source: str) -> str:
-    """The README's sed: ours imported as ddp_utils, by the name utils."""
-    source = re.sub(r"^import utils\b", "import ddp_utils as utils", source, flags=re.M)
-    return re.sub(r"^from utils import", "from ddp_utils import", source, flags=re.M)
 
 
 def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
-    """The README's main job, run in a folder that holds only distributed.py, utils.py, stalls.py and
-    builtin.py (no streams.py), learns. The same folder given a stream says in one line to copy
-    streams.py. utils.py saved as ddp_utils.py beside a project's own utils.py (the README's sed)
-    trains with DataLoader workers, never importing the project's own."""
-    alone, stream, beside = tmp_path / "alone", tmp_path / "stream", tmp_path / "beside"
-    for name in ("distributed.py", "utils.py", "stalls.py", "builtin.py"):
-        alone.mkdir(exist_ok=True)
-        shutil.copy(ROOT / name, alone)
+    """The README's main job, run in a folder that holds only distributed.py and utils/, learns; so does
+    distributed_fsdp.py with utils/ alone (the tiny job), and distributed.py given a stream. utils/ copied as
+    ddp_utils/ beside a project's own utils.py (which raises on import), the script's import lines changed (the
+    README's sed), trains with DataLoader workers, never importing the project's own (tests/test_stalls.py names a
+    stall there)."""
+    alone, fsdp, stream = tmp_path / "alone", tmp_path / "fsdp", tmp_path / "stream"
+    for folder, script in ((alone, "distributed.py"), (fsdp, "distributed_fsdp.py")):
+        shutil.copytree(
+            ROOT / "utils", folder / "utils", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        shutil.copy(ROOT / script, folder)
     main_job = readme_main_job(tmp_path / "out")
     main_job[main_job.index("distributed.py")] = str(alone / "distributed.py")
     copy = copy_with_your_functions("distributed.py", stream, A_STREAM)
-    (stream / "streams.py").unlink()
-    beside.mkdir()
-    (beside / "utils.py").write_text(THEIR_UTILS)
-    shutil.copy(ROOT / "utils.py", beside / "ddp_utils.py")
-    for name in ("distributed.py", "stalls.py", "builtin.py"):
-        (beside / name).write_text(renamed_utils((ROOT / name).read_text()))
-    small = ["--fake-size", "512", "--batch-size", "64", "--epochs", "1", "--arch", "tiny"]
+    beside = copy_with_your_functions(
+        "distributed.py",
+        tmp_path / "beside",
+        None,
+        folder="ddp_utils",
+    )
+    small = ["--dataset", "fake", "--fake-size", "512", "--batch-size", "64", "--epochs", "1"]
+    small += ["--arch", "tiny"]
     results = run_parallel(
         [
             (main_job, {}, alone),
+            (
+                torchrun(
+                    2, str(fsdp / "distributed_fsdp.py"), *small, "--output-dir", fsdp / "out"
+                ),
+                {},
+                fsdp,
+            ),
             (
                 [
                     PYTHON,
@@ -190,30 +192,23 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
             ),
             (
                 torchrun(
-                    2,
-                    str(beside / "distributed.py"),
-                    "--dataset",
-                    "fake",
-                    *small,
-                    "--workers",
-                    "2",
-                    "--output-dir",
-                    beside / "out",
+                    2, str(beside), *small, "--workers", "2", "--output-dir", beside.parent / "out"
                 ),
                 {},
-                beside,
+                beside.parent,
             ),
         ],
         timeout=300,
         check=False,
     )
-    result, streamed, renamed = results
+    result, sharded, streamed, renamed = results
     assert result.returncode == 0, result.stderr
-    assert not (alone / "streams.py").exists()
-    assert streamed.returncode == 1 and streamed.stderr.strip().splitlines() == [
-        "error: streams.py is missing: copy it beside distributed.py and utils.py"
-    ], streamed.stderr
-    assert renamed.returncode == 0 and metrics(beside / "out")[-1]["val_acc"] > 0.3, renamed.stderr
+    assert sharded.returncode == 0 and metrics(fsdp / "out")[-1]["val_acc"] > 0.3, sharded.stderr
+    assert streamed.returncode == 0 and len(metrics(stream / "out")) == 1, streamed.stderr
+    assert "from ddp_utils import" in beside.read_text() and "from utils" not in beside.read_text()
+    assert renamed.returncode == 0 and metrics(beside.parent / "out")[-1]["val_acc"] > 0.3, (
+        renamed.stderr
+    )
     tmp_path = tmp_path / "out"
     assert "world size 2" in result.stdout
     records = metrics(tmp_path)
@@ -288,7 +283,7 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
     )
     try:  # a world of one in this process, as the script has
         loader = DataLoader(
-            val_set, 64, collate_fn=utils.Counted(distributed.collate)
+            val_set, 64, collate_fn=batches.Counted(distributed.collate)
         )  # as the script makes it
         scored = distributed.evaluate(model, loader, args, torch.device("cpu"))
     finally:
@@ -485,7 +480,7 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
         "    def writable(self): return True\n"
         "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
         "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
-        "utils.run_main(lambda: utils.build_parser('').parse_args(['--no-such-flag']))\n"
+        "errors.run_main(lambda: flags.build_parser('').parse_args(['--no-such-flag']))\n"
     )
     result = run([PYTHON, "-c", code], timeout=60, check=False)
     assert result.returncode == 1 and result.stderr == (
@@ -504,7 +499,7 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     ],
 )
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
-    assert utils.slurm_master_addr(nodelist) == first
+    assert ranks.slurm_master_addr(nodelist) == first
 
 
 def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):

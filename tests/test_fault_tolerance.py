@@ -163,7 +163,7 @@ def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
         "p = pathlib.Path(sys.argv[1]); i = 0\n"
         "while True:\n"
         "    i += 1\n"
-        "    utils.save_checkpoint({'model': {'w': torch.full((4_000_000,), float(i))},"
+        "    checkpoints.save_checkpoint({'model': {'w': torch.full((4_000_000,), float(i))},"
         " 'optimizer': {}, 'epoch': i}, p)\n"
     )
     for delay in (0.05, 0.13, 0.21):
@@ -189,10 +189,10 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 sys.path.insert(0, sys.argv[2])
-import utils
+from utils import checkpoints
 dist.init_process_group("gloo")
 before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-state = utils.load_checkpoint_everywhere(Path(sys.argv[1]), dist.get_rank())
+state = checkpoints.load_checkpoint_everywhere(Path(sys.argv[1]), dist.get_rank())
 added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
 (got, spec), (want, want_spec) = tree_flatten(state), tree_flatten(torch.load(sys.argv[1], weights_only=True))
 same = spec == want_spec and all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(got, want))

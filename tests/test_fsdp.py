@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import builtin
+from utils import builtin
 from processes import (
     EVAL_EVERY,
     OFFLINE,
@@ -293,7 +293,7 @@ class Block(nn.Sequential):
 
 
 def build_datasets(args):  # the scripts' own data and loss: the built-in fake images
-    import builtin
+    from utils import builtin
     return builtin.datasets(args)
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stalls
-import utils
+from utils import stalls
+from utils import checks, internals, stalls
 from processes import ROOT
 
 SCRIPTS = sorted(
@@ -33,10 +33,10 @@ SECTION = "# -------------------------------------------- PyTorch's insides we r
 def test_each_internal_exists_on_the_installed_pytorch():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        before = utils.collectives_started()
+        before = internals.collectives_started()
         dist.all_reduce(torch.ones(1))
-        assert before is not None and utils.collectives_started() == before + 1
-        assert isinstance(utils.default_store(), dist.Store)
+        assert before is not None and internals.collectives_started() == before + 1
+        assert isinstance(internals.default_store(), dist.Store)
     finally:
         dist.destroy_process_group()
     if dist.is_nccl_available():  # a CUDA build: the Flight Recorder's dump
@@ -44,17 +44,17 @@ def test_each_internal_exists_on_the_installed_pytorch():
     assert callable(torch._C._host_emptyCache)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))
-    assert isinstance(utils.loss_scale(scaler), torch.Tensor)
+    assert isinstance(internals.loss_scale(scaler), torch.Tensor)
     assert callable(multiprocessing.forkserver.ensure_running)
-    assert callable(utils.tree_map_only) and callable(utils.tree_flatten)
+    assert callable(internals.tree_map_only) and callable(internals.tree_flatten)
     assert callable(importlib.import_module("torch.distributed._composable").checkpoint)
     from torch.utils.data import _utils, dataloader
 
-    assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, utils.DATALOADER_WAIT))
-    assert callable(getattr(_utils.worker, utils.WORKER_LOOP))
+    assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, internals.DATALOADER_WAIT))
+    assert callable(getattr(_utils.worker, internals.WORKER_LOOP))
     for name in ("torch._dynamo.convert_frame", "torch._inductor.compile_fx"):
         module = importlib.import_module(name)
-        assert utils.COMPILE_FILES.search(module.__file__.replace("\\", "/")), module.__file__
+        assert internals.COMPILE_FILES.search(module.__file__.replace("\\", "/")), module.__file__
 
 
 def test_internals_are_reached_in_one_place():
@@ -81,12 +81,12 @@ def test_the_default_loss_is_recognised_in_every_script(script):
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert utils.is_default_loss(module.compute_loss)
+    assert checks.is_default_loss(module.compute_loss)
 
 
 def test_without_collective_counts_the_line_names_no_rank_but_every_position(monkeypatch, tmp_path):
     monkeypatch.delattr(dist.distributed_c10d, "_world")
-    assert utils.collectives_started() is None
+    assert internals.collectives_started() is None
     reports = [
         {
             "rank": 0,
@@ -116,10 +116,10 @@ def test_without_collective_counts_the_line_names_no_rank_but_every_position(mon
 
 def test_a_missing_or_failing_trace_dump_never_stops_the_line(monkeypatch):
     monkeypatch.delattr(torch._C._distributed_c10d, "_dump_nccl_trace", raising=False)
-    assert utils.nccl_trace() is None
+    assert internals.nccl_trace() is None
     monkeypatch.setattr(
         torch._C._distributed_c10d, "_dump_nccl_trace", lambda: 1 / 0, raising=False
     )
-    assert utils.nccl_trace() is None
+    assert internals.nccl_trace() is None
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
-    assert utils.default_store() is None
+    assert internals.default_store() is None

@@ -134,6 +134,8 @@ CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags
     "fsdp": ("distributed_fsdp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "mp": ("distributed_mp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "by_hand": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
+    # our folder copied as ddp_utils/ beside a project's own utils.py, with DataLoader workers
+    "renamed": ("distributed.py", "LOSSES == 4", "False", ["--workers", "2"], "compute_loss"),
     # steps of 0.6 x --timeout on one rank, the others waiting for it each time: slow, not stalled
     "slow": ("distributed.py", "2 <= LOSSES <= 4", "False", ["--epochs", "1"], None),
     # every batch of rank 1 a little late: its records name it the slow one
@@ -183,7 +185,10 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
     "by_hand" is two ranks started by hand, no launcher (their outputs joined)."""
     base, started = tmp_path_factory.mktemp("stalls"), {}
     for name, (script, _, _, flags, _) in CASES.items():
-        copy = copy_with_your_functions(script, base / name / "copy", user_code(name))
+        folder = "ddp_utils" if name == "renamed" else "utils"
+        copy = copy_with_your_functions(
+            script, base / name / "copy", user_code(name), folder=folder
+        )
         out, stall_file = base / name / "out", base / name / "stalled_at"
         args = [*COMMON, "--timeout", str(TIMEOUT), "--output-dir", out, *flags]
         env = {
@@ -298,7 +303,8 @@ def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
     code = f"""
 import os, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
-import utils, stalls, torch, torch.distributed as dist
+import torch, torch.distributed as dist
+from utils import workers
 from torch.utils.data import DataLoader
 
 
@@ -312,8 +318,8 @@ def main():
     threading.Thread(target=monitor, daemon=True).start()
     for i in range(150):
         works = [dist.all_reduce(torch.ones(1), async_op=True) for _ in range(8)]  # tensors only gloo holds
-        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, timeout=20, worker_init_fn=stalls.init_worker,
-                            multiprocessing_context=stalls.worker_start(2))
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, timeout=20, worker_init_fn=workers.init_worker,
+                            multiprocessing_context=workers.worker_start(2))
         del works
         next(iter(loader))
     print("started", i + 1, flush=True)

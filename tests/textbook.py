@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import builtin  # noqa: E402  (the same fake images and model as the scripts)
-import utils  # noqa: E402  (and the same flags and learning-rate schedule)
+# the same fake images and model as the scripts, and the same flags and learning-rate schedule
+from utils import builtin, checkpoints, flags, metrics, optimizers  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -89,9 +89,9 @@ def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
 
 def parse_args() -> argparse.Namespace:
     """The scripts' own flags and defaults (workers, the peak lr from the batch); this loop uses the workload's."""
-    parser = utils.build_parser(__doc__.splitlines()[0])
+    parser = flags.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
-    utils.check_args(args)
+    flags.check_args(args)
     if args.dataset not in ("fake", "imagefolder"):
         parser.error("the textbook loop reads --dataset fake or imagefolder only")
     return args
@@ -135,7 +135,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
-    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
+    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
 
     for epoch in range(args.epochs):
@@ -181,11 +181,11 @@ def main() -> None:
                 images_per_s=totals[1].item() / seconds,
                 data_wait_s=data_wait,
                 world_size=world_size,
-                **utils.memory_mb(model, optimizer, device),
+                **metrics.memory_mb(model, optimizer, device),
             )
             print(json.dumps(record), flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            utils.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
+            checkpoints.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
     dist.destroy_process_group()
 
 

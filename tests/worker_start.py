@@ -13,10 +13,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import builtin  # noqa: E402
+from utils import batches, builtin, workers  # noqa: E402
 import torch  # noqa: E402
-import stalls  # noqa: E402
-import utils  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 
@@ -29,26 +27,25 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return (kb("Private_Clean") + kb("Private_Dirty")) / 1024, kb("Pss") / 1024
 
 
-def measure(context, dataset, workers: int) -> dict:
+def measure(context, dataset, processes: int) -> dict:
     loader = DataLoader(
         dataset,
         256,
         shuffle=True,
-        num_workers=workers,
+        num_workers=processes,
         persistent_workers=True,
-        worker_init_fn=stalls.init_worker,
+        worker_init_fn=workers.init_worker,
         multiprocessing_context=context,
-        collate_fn=utils.Counted(torch.utils.data.default_collate),
+        collate_fn=batches.Counted(torch.utils.data.default_collate),
     )
     started = time.perf_counter()
-    batches = iter(loader)
-    next(batches)
+    loaded = iter(loader)
+    next(loaded)
     first = time.perf_counter() - started
-    for _ in range(
-        min(20, len(loader) - 1)
-    ):  # every worker has touched its share of the images by now
-        next(batches)
-    memory = [memory_mb(w.pid) for w in batches._workers]
+    # every worker has touched its share of the images by now
+    for _ in range(min(20, len(loader) - 1)):
+        next(loaded)
+    memory = [memory_mb(w.pid) for w in loaded._workers]
     return dict(
         first_batch_s=first, uss_mb=max(m[0] for m in memory), pss_mb=max(m[1] for m in memory)
     )
@@ -61,7 +58,7 @@ def main():
     args = parser.parse_args()
     dataset = builtin.fake_images(args.fake_size, 32, "train")
     sys.modules["__main__"].__file__ = str(
-        Path(utils.__file__).with_name("distributed.py")
+        Path(workers.__file__).parents[1] / "distributed.py"
     )  # preload as it does
     print(
         f"--dataset fake, {args.fake_size} images ({dataset.tensors[0].numel() / 2**20:.0f} MB), "
@@ -69,7 +66,7 @@ def main():
     )
     for name, context in (
         ("fork", "fork"),
-        ("forkserver (the scripts')", stalls.worker_start(args.workers)),
+        ("forkserver (the scripts')", workers.worker_start(args.workers)),
     ):
         print(
             f"{name:28s}"

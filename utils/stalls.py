@@ -1,13 +1,14 @@
 """No silent hang: a watchdog that ends every rank of a stalled run with one line naming the stalled
-rank, its step and its line of code, and how DataLoader workers start so that none can hang at
-start.
+rank, its step and its line of code.
 
-A script starts it in one line of main(), after the process group and the output folder:
+A script starts it in one line of main(), after the process group and the output folder, and holds
+it; it closes as main ends (run_main's teardown):
 
-    utils.progress = stalls.Watchdog(args.timeout, output_dir, rank)
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
 
-and passes stalls.init_worker and stalls.worker_start(workers) to its DataLoaders. utils.py tells it
-what the run does (utils.progress.batch(), utils.progress.writing()) and knows nothing else of it.
+The script tells it what the run does, and nothing else does: watchdog.batch(epoch, step) for each
+training batch, watchdog.batch() for each validation batch, and a save writes under
+watchdog.writing(path, growing) (checkpoints.save_checkpoint(..., watchdog) does it).
 
 The rule (docs/reliability.md):
 - before the first training step, work every rank does (data, model, a checkpoint's load, a compile)
@@ -27,35 +28,46 @@ import contextlib
 import datetime
 import faulthandler
 import json
-import multiprocessing
-import multiprocessing.connection
 import os
-import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
-import utils
+from .errors import first_line, user_frame, write_line
+from .internals import (
+    COMPILE_FILES,
+    DATALOADER_WAIT,
+    WORKER_LOOP,
+    collectives_started,
+    default_store,
+    nccl_trace,
+)
+from .workers import wait_until, worker_stacks
 
 # Collectives wait this much longer than --timeout, so that the watchdog speaks first.
 GRACE = datetime.timedelta(seconds=30)
 
-# NCCL's Flight Recorder keeps each rank's last collectives, for a stalled rank's stalls/ folder. It
-# is read when a process group starts: the scripts import this file before.
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
-
-class Watchdog(utils.Progress):
+class Watchdog(contextlib.AbstractContextManager):
     """Watches this rank's progress from a thread of its own, and ends every rank of a stalled
-    run."""
+    run; a context manager, closed as main ends. say: where the stall's line goes (stderr, or
+    distributed_mp.py's parent)."""
 
-    def __init__(self, timeout: float, output_dir: Path, rank: int):
+    def __init__(
+        self,
+        timeout: float,
+        output_dir: Path,
+        rank: int,
+        say: Callable[[str], object] = write_line,
+    ):
         self.timeout = timeout
+        self.say = say
         self.stacks_dir = Path(output_dir) / "stalls"
         self.rank = rank
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -83,19 +95,24 @@ class Watchdog(utils.Progress):
         # new).
         self.store = None
         if self.world_size > 1:
-            store = utils.default_store()
+            store = default_store()
             if store is not None:
                 self.store = dist.PrefixStore("watchdog/", store)
         threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
 
-    def batch(self, key: tuple[int, int] | None) -> None:
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def batch(self, epoch: int | None = None, step: int | None = None) -> None:
+        """A batch arrived: of training, at (epoch, step); of validation, with no arguments."""
         self.note_progress()
-        self.validating = key is None and self.epoch_step is not None
-        if key is not None:
-            self.epoch_step = key
+        self.validating = epoch is None and self.epoch_step is not None
+        if epoch is not None:
+            self.epoch_step = (epoch, step)
 
     @contextlib.contextmanager
     def writing(self, path: Path, growing: Path | None = None):
+        """A save writes path within; growing is the file or folder that grows meanwhile."""
         self.saving = Path(path)
         self.growing = Path(growing or path)
         self.saved_bytes = 0
@@ -173,7 +190,7 @@ class Watchdog(utils.Progress):
     def count_collectives(self) -> int | None:
         """The collectives this rank has started; each counted in the store, where collective k
         holds how many ranks have started it: a rank at k waits while k's count is short."""
-        started = utils.collectives_started()
+        started = collectives_started()
         if self.store is None or started is None:
             return None
         for k in range(self.counted + 1, started + 1):
@@ -195,7 +212,7 @@ class Watchdog(utils.Progress):
             report = {
                 "rank": self.rank,
                 "seconds": round(time.monotonic() - self.moved_at),
-                "collectives": utils.collectives_started(),
+                "collectives": collectives_started(),
                 "position": self.position(),
                 "where": where(frames),
                 "saving": str(self.saving) if self.saving is not None else None,
@@ -205,8 +222,8 @@ class Watchdog(utils.Progress):
                 try:
                     reports = self.exchange_reports(report)
                 except RuntimeError as e:
-                    self.note(f"the other ranks' reports could not be read: {utils.first_line(e)}")
-            utils.say_line(stall_line(reports, self.world_size, self.timeout, self.stacks_dir))
+                    self.note(f"the other ranks' reports could not be read: {first_line(e)}")
+            self.say(stall_line(reports, self.world_size, self.timeout, self.stacks_dir))
             # The store's host (rank 0, for tcp://) ends once every rank has read.
             if self.store is not None:
                 with contextlib.suppress(RuntimeError):
@@ -260,10 +277,10 @@ class Watchdog(utils.Progress):
                 lines.extend(traceback.format_stack(frame))
                 lines.append("\n")
         # Waiting for a DataLoader worker: the worker's line is the one to name.
-        if any(frame.name == utils.DATALOADER_WAIT for frame in frames):
+        if any(frame.name == DATALOADER_WAIT for frame in frames):
             for pid, worker_frames, text in worker_stacks():
                 lines.append(f"rank {self.rank}, DataLoader worker (pid {pid}):\n{text}\n")
-                if utils.user_frame(worker_frames):
+                if user_frame(worker_frames):
                     frames = worker_frames
         # A full or read-only disk, or a missing trace dump: the line still comes.
         with contextlib.suppress(OSError):
@@ -271,13 +288,14 @@ class Watchdog(utils.Progress):
             (self.stacks_dir / f"rank{self.rank}.txt").write_text("".join(lines))
             if dist.is_initialized() and "nccl" in str(dist.get_backend()):
                 # NCCL's Flight Recorder: for python -m torch.distributed.flight_recorder.
-                trace = utils.nccl_trace()
+                trace = nccl_trace()
                 if trace is not None:
                     (self.stacks_dir / f"nccl_trace_rank_{self.rank}").write_bytes(trace)
         return frames
 
     def close(self) -> None:
-        """main() has ended: a watchdog that is ending the run finishes it, else it stops."""
+        """main() has ended: a watchdog that is ending the run finishes it, else it stops (an
+        error on this rank waits here for the stall's line, which it may follow from)."""
         self.closed = True
         faulthandler.cancel_dump_traceback_later()
         while self.ending:
@@ -289,7 +307,7 @@ def is_compiling() -> bool:
     thread."""
     for top in sys._current_frames().values():
         for frame, _ in traceback.walk_stack(top):
-            if utils.COMPILE_FILES.search(frame.f_code.co_filename):
+            if COMPILE_FILES.search(frame.f_code.co_filename):
                 return True
     return False
 
@@ -310,13 +328,13 @@ def bytes_in(path: Path) -> int:
 
 def where(frames: list[traceback.FrameSummary]) -> str:
     """'in collate (distributed.py:66)': the user's frame, else the innermost."""
-    frame = utils.user_frame(frames)
+    frame = user_frame(frames)
     if frame is None and frames:
         frame = frames[-1]
     if frame is None:
         return "where unknown"
     worker = ""
-    if utils.WORKER_LOOP in {f.name for f in frames}:
+    if WORKER_LOOP in {f.name for f in frames}:
         worker = " in a DataLoader worker"
     return f"in {frame.name} ({Path(frame.filename).name}:{frame.lineno}){worker}"
 
@@ -358,82 +376,3 @@ def describe(report: dict, timeout: float) -> str:
     else:
         what = f"made no progress for {seconds} s"
     return f"rank {report['rank']} {what} {report['position']}, {report['where']}"
-
-
-def wait_until(condition, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-# ---------------------------------------------------------------- DataLoader workers ----
-
-
-def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
-    """(pid, frames, text) of this process's DataLoader workers: each writes its stack when
-    signalled (init_worker)."""
-    pids = [child.pid for child in multiprocessing.active_children()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR2)
-    paths = [worker_stack_path(pid) for pid in pids]
-    wait_until(lambda: all(path.exists() for path in paths), 2)
-    stacks = []
-    for pid, path in zip(pids, paths):
-        with contextlib.suppress(OSError, ValueError):
-            frames, text = json.loads(path.read_text())
-            summaries = [traceback.FrameSummary(*f, lookup_line=False) for f in frames]
-            stacks.append((pid, summaries, text))
-            path.unlink()
-    return stacks
-
-
-def worker_stack_path(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"dataloader-worker-{pid}.stack.json"
-
-
-def write_worker_stack(signum: int, frame) -> None:
-    stack = traceback.extract_stack(frame)
-    frames = [(f.filename, f.lineno, f.name) for f in stack]
-    text = "".join(traceback.format_list(stack))
-    utils.write_atomically(worker_stack_path(os.getpid()), json.dumps([frames, text]).encode())
-
-
-def end_with_parent(parent) -> None:
-    multiprocessing.connection.wait([parent.sentinel])
-    os._exit(0)
-
-
-def init_worker(worker_id: int) -> None:
-    """A DataLoader worker's start: it leaves SIGTERM to its rank (torchrun, Slurm and docker stop
-    signal workers too, where PyTorch's handler would end them, the epoch unsaved), and writes its
-    stack when the watchdog asks."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, write_worker_stack)
-    # Its parent is the forkserver, which PyTorch's worker loop does not watch: end with the rank.
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        watch = threading.Thread(target=end_with_parent, args=(parent,), daemon=True)
-        watch.start()
-
-
-def worker_start(workers: int):
-    """How DataLoader workers start: forked from a forkserver, a process of one thread that imported
-    the script once, never from a rank's process, whose other threads (gloo's, a stream library's)
-    may hold a lock of the interpreter at the fork and so deadlock the child."""
-    if not workers:
-        return None
-    context = multiprocessing.get_context("forkserver")
-    # It imports, once, the modules of the script's folder that this process has imported (the
-    # script as a module, builtin.py, utils.py, stalls.py), so that the workers need not; Python
-    # passes no path to it, so they go in PYTHONPATH while it starts.
-    script = getattr(sys.modules["__main__"], "__file__", None) or __file__
-    folders = [Path(script).resolve().parent, Path(utils.__file__).resolve().parent]
-    modules = {utils.__name__, __name__}
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if file and Path(file).resolve().parent in folders and Path(file).stem.isidentifier():
-            modules.add(Path(file).stem)
-    context.set_forkserver_preload(sorted(modules))
-    utils.start_forkserver([str(folder) for folder in folders])
-    return context

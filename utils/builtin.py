@@ -2,7 +2,7 @@
 you replace them: --dataset (CIFAR-10/100, an image folder, fake images) and --arch (tiny, or any
 torchvision classifier). A user whose own functions replace those bodies needs nothing here. The
 images come as uint8 and carry a batch_transform that finishes them a batch at a time on the
-device (utils.batch_to_device calls it): CIFAR's and fake images are cropped, flipped and
+device (batches.batch_to_device calls it): CIFAR's and fake images are cropped, flipped and
 normalised there; an image folder's are cropped and flipped where they are decoded, each JPEG no
 larger than its crop needs, and normalised there. A user's own Dataset never goes through it.
 """
@@ -18,14 +18,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-# first: it quiets PyTorch's C++ logging
-from utils import UsageError, errors_shared_by_all_ranks, first_line
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset, TensorDataset
+
+from .errors import UsageError, first_line
+from .ranks import errors_shared_by_all_ranks
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -120,7 +121,7 @@ class ImageFiles(torchvision.datasets.ImageFolder):
         self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose crops and flips __getitem__ draws (utils.epoch_loader calls it)."""
+        """The epoch whose crops and flips __getitem__ draws (batches.epoch_loader calls it)."""
         self.epoch.fill_(epoch)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:

@@ -2,8 +2,7 @@
 read in each rank's main process as global batches, so that any number of processes and DataLoader
 workers trains the same model, and every sample of an epoch is trained on once.
 
-Copy this file beside the script and utils.py only when your data is a stream; a script imports it
-in its stream branch, as build_datasets imports builtin.py.
+A script imports it in its stream branch only, as build_datasets imports builtin.
 """
 
 from __future__ import annotations
@@ -17,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
-import utils
+from .errors import UsageError, first_line
+from .internals import tree_map_only
+from .ranks import all_gather_objects, all_reduce
 
 
 class StreamSampler:
@@ -124,7 +125,7 @@ class StreamSampler:
         """Has every rank read a full chunk of each of its readers? (A collective.)"""
         if self.group is None:
             return full
-        flag = utils.all_reduce(torch.tensor([int(full)]), dist.ReduceOp.MIN, self.group)
+        flag = all_reduce(torch.tensor([int(full)]), dist.ReduceOp.MIN, self.group)
         return bool(flag)
 
     def rest(self, readers: dict, chunks: dict, chunk: int):
@@ -137,7 +138,7 @@ class StreamSampler:
         while True:
             parts = [mine]
             if self.group is not None:
-                parts = utils.all_gather_objects(mine, self.group)
+                parts = all_gather_objects(mine, self.group)
             turn = {}
             for part in parts:
                 turn.update(part)
@@ -160,19 +161,17 @@ class StreamSampler:
             # webdataset's default node splitter refuses a second process; any other is the user's.
             if "nodesplitter" not in str(e):
                 raise
-            message = (
-                f"the stream cannot be read ({utils.first_line(e)}): give every process all of it"
-            )
-            raise utils.UsageError(message) from None
+            message = f"the stream cannot be read ({first_line(e)}): give every process all of it"
+            raise UsageError(message) from None
         # Tensors compared by value: their pickles differ between processes. Samples no worker could
         # take either go unchecked.
         try:
-            as_lists = utils.tree_map_only(torch.Tensor, torch.Tensor.tolist, samples)
+            as_lists = tree_map_only(torch.Tensor, torch.Tensor.tolist, samples)
             digest = hashlib.sha256(pickle.dumps(as_lists)).digest()
         except (pickle.PicklingError, TypeError, AttributeError):
             digest = b""
-        if len(set(utils.all_gather_objects(digest))) > 1:
-            raise utils.UsageError(
+        if len(set(all_gather_objects(digest))) > 1:
+            raise UsageError(
                 "the stream gives the processes different first samples: it must give every process"
                 " all of it, in the same order (no split_dataset_by_node, no webdataset"
                 " split_by_node): the script splits it"

@@ -1,0 +1,155 @@
+"""Any batch of any task: counted as the samples collate received (Counted), moved to the device
+(batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward);
+an epoch's loader (epoch_loader, steps_per_epoch, first_samples).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+from .errors import OURS, UsageError, raised_in
+from .internals import tree_map_only
+from .ranks import all_reduce, world_size
+
+
+class Counted(functools.partial):
+    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples;
+    picklable."""
+
+    def __call__(self, samples: list) -> tuple[int, object]:
+        return len(samples), super().__call__(samples)
+
+
+def forward(model: nn.Module, inputs):
+    """A dict of inputs as keyword arguments, as Hugging Face models take them; anything else as
+    one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def loss_for_backward(loss) -> torch.Tensor:
+    """compute_loss's mean as it is; its (sum, count) as sum x world size / all ranks' count (one
+    small all-reduce): DDP and FSDP average the ranks' gradients, so that this is the gradient of
+    the mean over every rank's items, whatever each rank's count."""
+    if isinstance(loss, torch.Tensor):
+        return loss
+    total, count = loss
+    count = all_reduce(torch.as_tensor(count, dtype=torch.float64, device=total.device).clone())
+    return total * (world_size() / count.clamp(min=1)).to(total.dtype)
+
+
+def logits(outputs):
+    """The scores in outputs: themselves, or the logits of a dict or a Hugging Face ModelOutput."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("logits")
+    return getattr(outputs, "logits", outputs)
+
+
+def class_indices(outputs, targets) -> bool:
+    """Are targets class indices for scores at outputs' dim 1 (classification, per-pixel
+    classification)?"""
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return False
+    whole_numbers = not (
+        targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
+    )
+    one_score_each = outputs.shape[:1] + outputs.shape[2:] == targets.shape
+    return (
+        outputs.is_floating_point()
+        and whole_numbers
+        and outputs.dim() == targets.dim() + 1
+        and one_score_each
+    )
+
+
+def batch_to_device(
+    batch,
+    device: torch.device,
+    dataset: Dataset,
+    channels_last: bool = False,
+    key: tuple[int, int] | None = None,
+):
+    """(inputs, targets) of any structure on the device. A dataset with a batch_transform(inputs,
+    key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
+    validation one: the built-in images' fast path (builtin.py); a user's Dataset has none."""
+    inputs, targets = batch
+    # A tokenizer's BatchEncoding goes in as a plain dict.
+    if isinstance(inputs, Mapping):
+        inputs = dict(inputs)
+    inputs, targets = tree_map_only(
+        torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
+    )
+    transform = getattr(dataset, "batch_transform", None)
+    if transform is not None:
+        inputs = transform(inputs, key)
+    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device, non_blocking=True)
+
+
+def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (which a
+    stream without __len__ needs)."""
+    try:
+        batches = len(loader) // micro_batches
+    except TypeError as e:
+        # A TypeError in the stream's own __len__ is the user's error.
+        if not raised_in(e, *OURS):
+            raise
+        # A stream without __len__: an epoch is one pass, cut at N steps.
+        if not args.steps_per_epoch:
+            raise UsageError(
+                "the training set is a stream without __len__: give --steps-per-epoch N, the "
+                "optimizer steps of an epoch"
+            ) from None
+        batches = args.steps_per_epoch
+    if args.steps_per_epoch:
+        return min(batches, args.steps_per_epoch)
+    return batches
+
+
+def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
+    """The loader for this epoch (call its sampler's set_epoch first): a dataset with set_epoch is
+    told the epoch (the built-in image folder draws its crops from it); continued mid-epoch,
+    without its first skip batches."""
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+    if not skip:
+        return loader
+    # The indices after them in this epoch's order; a stream's batches are read again, not
+    # collated.
+    rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
+    return DataLoader(
+        loader.dataset,
+        loader.batch_size,
+        sampler=rest,
+        drop_last=loader.drop_last,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        generator=loader.generator,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+    )
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
+    spare batch."""
+    # A stream's sampler (streams.py) reads them from the stream.
+    if hasattr(loader.sampler, "first"):
+        return loader.sampler.first(n)
+    # A share of nothing (a validation sampler with no index) takes the first of the set.
+    indices = loader.sampler or range(len(loader.dataset))
+    return [loader.dataset[i] for i in itertools.islice(indices, n)]

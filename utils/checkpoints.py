@@ -1,0 +1,181 @@
+"""Files written whole: checkpoints (atomically, a tensor at a time, loaded with weights_only=True),
+read by rank 0 and sent to every rank (load_checkpoint_everywhere), restored with the random
+streams (restore); metrics.jsonl's lines; a Hugging Face model's save_pretrained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import UsageError, first_line
+from .internals import tree_flatten, tree_unflatten
+from .ranks import errors_shared_by_all_ranks, world_size
+
+log = logging.getLogger("train")
+
+
+def save_checkpoint(state: dict, path: Path, watchdog=None) -> None:
+    """state at path, atomically, written straight into the file: no copy in memory; the
+    watchdog (stalls.Watchdog) times its bytes."""
+    write_atomically(path, functools.partial(torch.save, state), watchdog)
+
+
+def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
+    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the
+    previous file and no temporary file; a failed write is an OSError that names path. A watchdog
+    given (stalls.Watchdog) takes the temporary file's growth for progress."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    saving = contextlib.nullcontext()
+    if watchdog is not None:
+        saving = watchdog.writing(path, tmp)
+    try:
+        with saving, open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        # torch.save's zip writer fails again, at its end of file, after a failed write: that
+        # write's error is why.
+        error = e
+        if isinstance(e, RuntimeError):
+            error = e.__context__
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from None
+
+
+def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
+    """Every rank calls it: the checkpoint at path or None; rank 0 reads it and sends it to all
+    (no shared file system needed), a tensor at a time, so that no rank holds a second copy (sent
+    as one pickled object, the receivers held it 4 times)."""
+    state = None
+    with errors_shared_by_all_ranks():
+        if rank == 0 and path.exists():
+            state = read_checkpoint(path)
+    if world_size() == 1:
+        return state
+    # Each tensor goes first as its shape and dtype, then alone.
+    leaves, spec = tree_flatten(state)
+    box = [[to_meta(leaf) for leaf in leaves], spec]
+    dist.broadcast_object_list(box, src=0)
+    # The tensors stay on the CPU.
+    group = None
+    if dist.get_backend() != "gloo":
+        group = dist.new_group(backend="gloo")
+    for i, leaf in enumerate(box[0]):
+        if not torch.is_tensor(leaf):
+            continue
+        if rank == 0:
+            box[0][i] = leaves[i].contiguous()
+        else:
+            box[0][i] = torch.empty(leaf.shape, dtype=leaf.dtype)
+        dist.broadcast(box[0][i], src=0, group=group)
+    return tree_unflatten(*box)
+
+
+def to_meta(leaf):
+    if torch.is_tensor(leaf):
+        return leaf.to("meta")
+    return leaf
+
+
+def read_checkpoint(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling errors have many types
+        message = f"{path} is not a readable checkpoint ({first_line(e)})"
+        raise UsageError(f"{message}: delete it or use another --output-dir") from None
+    if not (isinstance(state, dict) and {"model", "optimizer", "epoch"} <= state.keys()):
+        message = f"{path} is not a checkpoint of these scripts"
+        raise UsageError(f"{message}: delete it or use another --output-dir")
+    return state
+
+
+def rng_states() -> dict:
+    """The global random streams (dropout's; alike on all ranks): a continued run draws what a
+    straight one would."""
+    states = {"rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda_rng"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
+    """Load stateful (model, optimizer, scheduler, scaler) and the random streams, and say so;
+    returns the epochs done and the steps done in the next."""
+    written_with = (
+        ("--arch", state.get("arch"), args.arch),
+        ("--optimizer", state.get("optimizer_name"), args.optimizer),
+    )
+    # One line, not a failed load or step.
+    for flag, saved, value in written_with:
+        if saved not in (None, value):
+            message = f"{path} was written with {flag} {saved}, not {flag} {value}"
+            raise UsageError(f"{message}: use another --output-dir")
+    try:
+        for name, obj in stateful.items():
+            obj.load_state_dict(state[name])
+        torch.set_rng_state(state.get("rng", torch.get_rng_state()))
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        message = f"{path} does not fit this model or these flags ({first_line(e)})"
+        raise UsageError(f"{message}: use another --output-dir") from None
+    epoch = state["epoch"]
+    step = state.get("step", 0)
+    done = f"{epoch} of {args.epochs} epochs done"
+    if step:
+        done += f" and {step} steps of the next"
+    log.info(f"continuing from {path}: {done}")
+    return epoch, step
+
+
+def save_pretrained(
+    model: nn.Module, directory: Path, state: dict | None = None, watchdog=None
+) -> None:
+    """A Hugging Face model as its save_pretrained writes it (a PEFT model: the adapter alone), for
+    from_pretrained: from state, its whole weights with plain keys, where the model holds shards;
+    in place once complete. Any other model: model.pt or checkpoint.pt is all."""
+    if not hasattr(model, "save_pretrained"):
+        return
+    if state is None:
+        state = model.state_dict()
+    new = directory.with_name(directory.name + ".new")
+    saving = contextlib.nullcontext()
+    if watchdog is not None:
+        saving = watchdog.writing(directory, new)
+    with saving:
+        model.save_pretrained(new, state_dict=state)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(new, directory)
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """A JSON line, whole or not at all, for a continued run."""
+    line = (json.dumps(record) + "\n").encode()
+    # One write; what fitted of it, where the disk is full, is cut off again.
+    with open(path, "ab", buffering=0) as f:
+        size = f.tell()
+        try:
+            if f.write(line) < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            f.truncate(size)
+            raise OSError(e.errno, e.strerror, str(path)) from None

@@ -1,0 +1,214 @@
+"""One line before training for what training would trip on: the start-up step (check_first_step: a
+step of two samples, undone), the loss's form, the labels, DataLoader workers' pickles, and finite
+weights before anything is saved.
+"""
+
+from __future__ import annotations
+
+import pickle
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from .batches import batch_to_device, first_samples, forward
+from .errors import LIBRARIES, UsageError, called_from, first_line, raised_in
+from .ranks import errors_shared_by_all_ranks, local_shard
+
+
+def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
+    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save
+    shows or keeps it."""
+    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
+    finite = all(math.isfinite(value) for value in losses)
+    if finite and model is not None:
+        finite = all(local_shard(p).isfinite().all() for p in model.parameters())
+    if finite:
+        return
+    where = f"in epoch {epoch}"
+    if step:
+        where = f"by step {step} of epoch {epoch + 1}"
+    clip = ""
+    if not args.clip_grad:
+        clip = ", or use --clip-grad"
+    raise UsageError(
+        f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr"
+        f" (peak {args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite"
+        " checkpoints were saved"
+    )
+
+
+def check_first_step(
+    model: nn.Module,
+    loader: DataLoader,
+    compute_loss: Callable,
+    args,
+    device: torch.device,
+    unused_ok: bool,
+) -> float:
+    """A step of two samples, undone (in float32 whatever the training's precision: two samples
+    are small): what would fail or learn nothing ends every rank with one line. Returns the FLOPs
+    of a sample, counted around the model and loss only (FlopCounterMode would see our own
+    collectives too)."""
+    # Batch-norm statistics, put back afterwards.
+    buffers = [b.clone() for b in model.buffers()]
+    devices = []
+    if torch.cuda.is_available():
+        devices = [torch.cuda.current_device()]
+    with torch.random.fork_rng(devices):
+        # One rank's error ends every rank with its line; before backward(), a collective under
+        # FSDP.
+        with errors_shared_by_all_ranks():
+            check_workers_can_take(loader)
+            # Two samples for the step, more for the labels' check below (a stream's: its first
+            # reader's).
+            first = first_samples(loader, 256)
+            samples, batch, more = collate_first(loader, first)
+            inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
+            try:
+                with FlopCounterMode(display=False) as forward_flops:
+                    outputs = forward(model.train(), inputs)
+            except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
+                if not raised_in(e, *LIBRARIES):
+                    raise
+                what = f"{first_line(e)}{called_from(e)}"
+                raise UsageError(
+                    f"the model cannot take the first batch's inputs: {what}"
+                ) from None
+            # On a GPU a bad label is a device-side assert that kills the process: more labels than
+            # two samples have are checked.
+            if is_default_loss(compute_loss):
+                check_class_targets(outputs, batch_to_device(more, device, loader.dataset)[1])
+            loss = compute_loss(outputs, targets)
+            check_loss(loss)
+        with FlopCounterMode(display=False) as backward_flops:
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+            else:
+                loss[0].backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    for buffer, saved in zip(model.buffers(), buffers):
+        buffer.copy_(saved)
+    # Alike on every rank: the same model and code.
+    if unused and not unused_ok:
+        names = ", ".join(unused[:3])
+        if len(unused) > 3:
+            names += ", ..."
+        raise UsageError(
+            f"{len(unused)} parameters get no gradient ({names}): --find-unused-parameters lets DDP"
+            " train such a model, or leave them out of it"
+        )
+    flops = forward_flops.get_total_flops() + backward_flops.get_total_flops()
+    return flops / samples
+
+
+def collate_first(loader: DataLoader, first: list) -> tuple[int, object, object]:
+    """(samples, batch) of the first two samples, and the batch of all of them. What a library
+    refused (default_collate: samples of two sizes) is one line; the user's own error is theirs."""
+    try:
+        samples, batch = loader.collate_fn(first[:2])
+        more = loader.collate_fn(first)[1]
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
+        if not raised_in(e, *LIBRARIES):
+            raise
+        what = f"{first_line(e)}{called_from(e)}"
+        raise UsageError(f"collate cannot batch the first samples ({what}): pad them") from None
+    return samples, batch, more
+
+
+class DiscardedBytes:
+    """A file that keeps nothing: a worker's pickle is checked, not kept."""
+
+    write = staticmethod(len)
+
+
+class PicklerWithoutTensors(pickle.Pickler):
+    """Tensors go to the workers through shared memory, unpickled."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return id(obj)
+        return None
+
+
+def check_workers_can_take(loader: DataLoader) -> None:
+    """DataLoader workers start from a forkserver: the Dataset and collate must pickle (no lambda,
+    no open file)."""
+    if not loader.num_workers:
+        return
+    try:
+        PicklerWithoutTensors(DiscardedBytes()).dump((loader.dataset, loader.collate_fn))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise UsageError(
+            f"the Dataset or collate cannot go to a DataLoader worker ({first_line(e)}): define"
+            " their functions at module level, not as a lambda or inside a function, or use"
+            " --workers 0"
+        ) from None
+
+
+def describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_loss(loss) -> None:
+    """compute_loss gives a scalar (the batch's mean) or a pair (a scalar sum, its count)."""
+    pair = isinstance(loss, (tuple, list)) and len(loss) == 2
+    total, count = loss if pair else (loss, 1)
+    scalar = isinstance(total, torch.Tensor) and total.dim() == 0
+    one_count = isinstance(count, int) or (isinstance(count, torch.Tensor) and count.numel() == 1)
+    if scalar and one_count:
+        return
+    what = describe_value(loss)
+    if pair:
+        what = f"({describe_value(total)}, {describe_value(count)})"
+    raise UsageError(
+        f"compute_loss must return a scalar tensor or a (sum, count) pair, not {what}: reduce"
+        " it, e.g. with .mean()"
+    )
+
+
+def check_class_targets(outputs, targets) -> None:
+    """The first batch's targets that the default loss, cross-entropy over outputs' dim 1, cannot
+    mean."""
+    classes = 0
+    if isinstance(outputs, torch.Tensor) and outputs.dim() > 1:
+        classes = outputs.shape[1]
+    if classes == 1:
+        raise UsageError(
+            "the model gives 1 output per sample, and cross-entropy over one class is always 0: "
+            "check num_classes, or replace compute_loss (a regression: F.mse_loss)"
+        )
+    class_indices = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+    if classes and class_indices:
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= classes:
+            raise UsageError(
+                f"class labels from {low} to {high} in the first batch, outside [0, {classes}) for "
+                f"the model's {classes} outputs: check num_classes, or replace compute_loss"
+            )
+
+
+def is_default_loss(compute_loss: Callable) -> bool:
+    """Is compute_loss the default F.cross_entropy(outputs, targets), with no other name or
+    constant (ignore_index=)? Read from its code object (tests/test_internals.py checks that each
+    script's default is recognised)."""
+    code = getattr(compute_loss, "__code__", None)
+    if code is None:
+        return False
+    names = code.co_names == ("F", "cross_entropy")
+    return names and set(code.co_consts) <= {None, compute_loss.__doc__}
+
+
+def check_output_dir(path: Path) -> None:
+    """Create the output directory and prove that it takes a file, before any data or model is
+    built."""
+    path.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=path).close()

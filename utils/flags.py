@@ -1,0 +1,252 @@
+"""The flags every script shares (../shared/CONTRACT.md in the project that publishes these
+scripts; README.md lists them), read so that a bad flag ends in one line; each script adds its
+approach's own flags in its parse_args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import sys
+
+import torch
+
+from .errors import UsageError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag ends in one line, and --flag_name is accepted for --flag-name."""
+
+    def error(self, message: str) -> None:
+        # run_main prints it as it prints every other error
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is None:
+            args = sys.argv[1:]
+        return super().parse_known_args([kebab_case(arg) for arg in args], namespace)
+
+
+def kebab_case(arg: str) -> str:
+    """--batch_size=1_000 -> --batch-size=1_000: the flag's name only, up to an "=", not the
+    value."""
+    match = re.match("--[^=]+", arg)
+    if match is None:
+        return arg
+    return match[0].replace("_", "-") + arg[match.end() :]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, but for a default computed at run time (None), which the
+    flag's help describes."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(description: str) -> ArgumentParser:
+    """The flags every script shares (README.md, "Flags"); each script's parse_args adds its
+    approach's own."""
+    p = ArgumentParser(
+        description=description,
+        formatter_class=HelpFormatter,
+        epilog="Every flag may also be spelt with underscores: --batch_size 128.",
+    )
+    add = p.add_argument
+    add(
+        "--dataset",
+        default="cifar100",
+        choices=["cifar10", "cifar100", "imagefolder", "fake"],
+        help="built-in data",
+    )
+    add("--data-dir", default="./data", help="where data lives or is downloaded to")
+    add("--no-download", action="store_true", help="fail instead of downloading missing CIFAR")
+    add("--fake-size", type=int, default=50_000, help="training images of --dataset fake")
+    add("--image-size", type=int, default=32, help="side of imagefolder and fake images")
+    add(
+        "--no-augment",
+        action="store_true",
+        help="no random crops or flips (exact reproducibility checks)",
+    )
+    add("--arch", default="resnet18", help="tiny, or a torchvision classifier name")
+    add("--epochs", type=int, default=30, help="planned epochs (the lr schedule spans them)")
+    add(
+        "--steps-per-epoch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cut epochs at N steps (a stream without len)",
+    )
+    add(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="end after N epochs; the same command continues",
+    )
+    add(
+        "--batch-size",
+        type=int,
+        default=256,
+        help="GLOBAL batch size, split evenly over all processes",
+    )
+    add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
+    add(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: sgd 0.1 x batch-size / 256, adamw 1e-3)",
+    )
+    add(
+        "--warmup",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="part of the steps the lr rises linearly",
+    )
+    add("--momentum", type=float, default=0.9, help="SGD momentum")
+    add(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="weight decay (default: sgd 5e-4, adamw 0.01)",
+    )
+    add(
+        "--clip-grad",
+        type=float,
+        default=None,
+        metavar="NORM",
+        help="clip the gradients' global norm to NORM",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per process (default: spare cores per GPU)",
+    )
+    add("--seed", type=int, default=0, help="seed for init, data order and augmentation")
+    add(
+        "--print-freq",
+        type=int,
+        default=50,
+        help="a progress line and a record in steps.jsonl every N steps",
+    )
+    add(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also validate every N steps (default: epoch ends)",
+    )
+    add(
+        "--tensorboard",
+        action="store_true",
+        help="rank 0 also writes steps.jsonl's records to OUTPUT_DIR/tensorboard",
+    )
+    add(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="rank 0 also logs the records to a Weights & Biases run",
+    )
+    add(
+        "--ema",
+        type=float,
+        metavar="DECAY",
+        help="also validate and save a moving average of the weights (0.999)",
+    )
+    add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
+    add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
+    add(
+        "--dist-url",
+        default=None,
+        help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)",
+    )
+    add(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="default: nccl with CUDA, else gloo",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=300,
+        help=(
+            "seconds before a stuck rendezvous fails, or a stalled rank ends every rank, named:"
+            " from the first step, no batch or saved byte on any rank for S seconds; before it, a"
+            " rank that another waited S seconds for (start-up work itself has no bound)"
+        ),
+    )
+    add(
+        "--channels-last",
+        action="store_true",
+        help="NHWC model and images (faster on Tensor Cores)",
+    )
+    add("--compile", action="store_true", help="compile the model with torch.compile")
+    add(
+        "--compile-mode",
+        choices=["default", "reduce-overhead", "max-autotune"],
+        help="implies --compile",
+    )
+    add(
+        "--output-dir",
+        default="./output",
+        help="where rank 0 writes checkpoint.pt and metrics.jsonl",
+    )
+    add(
+        "--save-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also save a checkpoint every N optimizer steps",
+    )
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Catch impossible values before any process group or data is touched; fill machine
+    defaults."""
+    at_least_one = "epochs batch_size fake_size image_size print_freq eval_every stop_after"
+    for name in f"{at_least_one} save_every steps_per_epoch".split():
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if (args.workers is not None and args.workers < 0) or args.seed < 0:
+        raise UsageError("--workers and --seed must be >= 0")
+    if args.timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
+        raise UsageError("--timeout and --clip-grad must be > 0")
+    if not 0 <= args.warmup < 1:
+        raise UsageError("--warmup must be in [0, 1)")
+    if args.ema is not None and not 0 <= args.ema < 1:
+        message = "the average spans about 1 / (1 - DECAY) steps"
+        raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
+    if args.compile_mode is not None:
+        args.compile = True
+    # Optional packages are checked before any data or model is built.
+    # torch.utils.tensorboard imports tensorboard.
+    for flag, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
+        if getattr(args, flag):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise UsageError(f"--{flag} needs the {flag} package: pip install {flag}") from None
+    # SGD follows the linear scaling rule (Goyal et al. 2017): 0.1 per 256 samples.
+    if args.lr is None and args.optimizer == "adamw":
+        args.lr = 1e-3
+    elif args.lr is None:
+        args.lr = 0.1 * args.batch_size / 256
+    if args.weight_decay is None and args.optimizer == "adamw":
+        args.weight_decay = 0.01
+    elif args.weight_decay is None:
+        args.weight_decay = 5e-4
+    # Workers: the cores each GPU can spare, one kept for the training loop itself.
+    if args.workers is None:
+        gpus = torch.cuda.device_count()
+        args.workers = 0
+        if gpus:
+            args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2))

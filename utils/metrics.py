@@ -1,0 +1,346 @@
+"""What a run measures: an epoch's sums on each rank (Meter), added over all ranks, and the records
+of steps.jsonl, its console lines and its sinks (StepRecords). The throughput key `images_per_s`
+counts samples, whatever a sample is (an image, a token sequence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import re
+import resource
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .batches import class_indices, logits
+from .checkpoints import append_metrics, write_atomically
+from .checks import check_finite
+from .errors import UsageError
+from .ranks import (
+    all_gather_objects,
+    all_reduce,
+    errors_shared_by_all_ranks,
+    local_shard,
+    world_size,
+)
+from .sinks import TensorBoardSink, WandbSink
+
+log = logging.getLogger("train")
+
+
+@dataclasses.dataclass
+class Sums:
+    """Sums over batches, in the order of the float64 tensor they travel in (one all-reduce)."""
+
+    loss: float  # of the loss over its items
+    items: float  # what the loss is a mean over: samples, or a (sum, count) loss's count
+    correct: float  # class targets scored right
+    scored: float  # class targets scored
+    samples: float
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Sums:
+        return cls(*tensor.tolist())
+
+    def mean_loss(self) -> float:
+        return self.loss / max(self.items, 1)
+
+    def accuracy(self) -> float | None:
+        """None where no target was a class index."""
+        if not self.scored:
+            return None
+        return self.correct / self.scored
+
+
+SUMS = len(dataclasses.fields(Sums))
+
+
+def zero_sums(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.zeros(SUMS, dtype=torch.float64, device=device)
+
+
+class Meter:
+    """An epoch's Sums on this rank, its time, and how long this rank waited for its data."""
+
+    def __init__(self, device: torch.device, saved: dict | None = None, rank: int = 0):
+        # Continued mid-epoch, rank 0 holds what all ranks had summed at the checkpoint, and what
+        # the last record had read, so the records go on as before.
+        self.before = zero_sums()
+        self.recorded = zero_sums()
+        if saved is not None:
+            self.before = saved["sums"]
+            self.recorded = saved["recorded"]
+        self.sums = zero_sums(device)
+        if rank == 0:
+            self.sums += self.before.to(device)
+        self.start = time.perf_counter()
+        # The line of a batch read() could not read.
+        self.error = ""
+        self.data_wait = 0.0
+        self.data_wait_recorded = 0.0
+        # Whether the loss is a (sum, count) pair, whose items/s the records show too.
+        self.pairs = False
+        # When, and at which sums, the last record read the speed.
+        self.marked_at = self.start
+        self.marked_sums = self.before
+
+    def update(self, loss, outputs, targets, samples: int) -> None:
+        """Add a batch: its loss (a mean, or a (sum, count) pair), and its accuracy where the
+        targets are class indices."""
+        self.pairs = not isinstance(loss, torch.Tensor)
+        if self.pairs:
+            total, items = loss
+        else:
+            total = loss * samples
+            items = samples
+        correct = self.sums.new_zeros(())
+        scored = self.sums.new_zeros(())
+        scores = logits(outputs)
+        if class_indices(scores, targets) and scores.shape[1] > 1:
+            # A segmentation's "ignore" label is no class.
+            valid = (targets >= 0) & (targets < scores.shape[1])
+            correct = ((scores.argmax(1) == targets) & valid).sum()
+            scored = valid.sum()
+        values = (total.detach(), items, correct, scored, samples)
+        device = self.sums.device
+        self.sums += torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]
+        )
+
+    def read(self, loader):
+        """The loader's batches, up to one this rank cannot read (a bad file: a UsageError), whose
+        line all_ranks() then ends every rank with."""
+        try:
+            yield from loader
+        except UsageError as e:
+            self.error = str(e)
+
+    def all_ranks_sums(self) -> torch.Tensor:
+        """Every rank calls it at the same step (an all-reduce): the sums over all ranks, on the
+        CPU; where a rank could not read a batch, every rank ends with its line."""
+        failed = self.sums.new_tensor([float(bool(self.error))])
+        both = all_reduce(torch.cat([self.sums, failed])).cpu()
+        if both[SUMS]:
+            raise UsageError(next(e for e in all_gather_objects(self.error) if e))
+        # In a tensor of their own, which a checkpoint keeps as it is.
+        return both[:SUMS].clone()
+
+    def all_ranks(self) -> Sums:
+        """Every rank calls it (an all-reduce): the sums over all ranks."""
+        return Sums.of(self.all_ranks_sums())
+
+    def since_record(self) -> dict:
+        """Every rank calls it (an all-reduce): loss, accuracy and speed since the last record
+        (items/s of a (sum, count) loss too), and the longest wait of a rank for its data and that
+        rank (the slow one)."""
+        rank = 0
+        if dist.is_initialized():
+            rank = dist.get_rank()
+        waits = torch.zeros(world_size(), dtype=torch.float64, device=self.sums.device)
+        # Each rank its own place: the sum holds every rank's wait exactly.
+        waits[rank] = self.data_wait - self.data_wait_recorded
+        # One collective for both; the sums apart after it, in a tensor of their own that a
+        # checkpoint keeps as it is.
+        both = all_reduce(torch.cat([self.sums, waits])).cpu()
+        now = both[:SUMS].clone()
+        waits = both[SUMS:].clone()
+        seconds = time.perf_counter() - self.marked_at
+        since = Sums.of(now - self.recorded)
+        moved = Sums.of(now - self.marked_sums)
+        self.recorded = now
+        self.marked_at = time.perf_counter()
+        self.marked_sums = now
+        self.data_wait_recorded = self.data_wait
+        record = dict(
+            train_loss=since.mean_loss(),
+            train_acc=since.accuracy(),
+            images_per_s=moved.samples / seconds,
+        )
+        if self.pairs:
+            record["items_per_s"] = moved.items / seconds
+        record["data_wait_max_s"] = waits.max().item()
+        record["data_wait_rank"] = int(waits.argmax())
+        return record
+
+    def epoch_record(self) -> dict:
+        """Every rank calls it (an all-reduce): the epoch's loss and accuracy over all ranks, its
+        time and this run's speed."""
+        totals = self.all_ranks()
+        seconds = time.perf_counter() - self.start
+        samples = totals.samples - Sums.of(self.before).samples
+        return dict(
+            train_loss=totals.mean_loss(),
+            train_acc=totals.accuracy(),
+            epoch_time_s=seconds,
+            images_per_s=samples / seconds,
+            data_wait_s=self.data_wait,
+        )
+
+    def timed(self, iterable):
+        """Yield from iterable, adding the time each item took to arrive to data_wait."""
+        asked = time.perf_counter()
+        for item in iterable:
+            self.data_wait += time.perf_counter() - asked
+            yield item
+            asked = time.perf_counter()
+
+
+class StepRecords:
+    """steps.jsonl by rank 0, and its sinks (TensorBoard, W&B): all ranks' numbers every few
+    steps; a continued run's records go on as if it had never stopped. Every rank builds it (its
+    W&B run id is gathered from all)."""
+
+    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int):
+        self.path = output_dir / "steps.jsonl"
+        self.args = args
+        self.rank = rank
+        self.steps_per_epoch = steps_per_epoch
+        # What a checkpoint holds (its shape: a sharded checkpoint loads into it); a W&B run id
+        # alike on every rank.
+        self.saved = {
+            "sums": zero_sums(),
+            "recorded": zero_sums(),
+            "wandb_id": all_gather_objects(uuid.uuid4().hex[:12])[0],
+        }
+        self.meter = None
+        self.sinks = []
+
+    def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
+        saved = None
+        if first_step:
+            saved = self.saved
+        self.meter = Meter(device, saved, self.rank)
+        return self.meter
+
+    def all_ranks_state_dict(self) -> dict:
+        """Every rank calls it (an all-reduce): the epoch's sums over all ranks, for a
+        checkpoint."""
+        state = dict(self.saved)
+        if self.meter is not None:
+            state["sums"] = self.meter.all_ranks_sums()
+            state["recorded"] = self.meter.recorded
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = state
+
+    def start(self, epoch: int, step: int) -> None:
+        """On rank 0: keep the records up to the checkpoint's epochs and steps done, and start the
+        sinks; W&B gets every kept record again."""
+        last = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}
+        kept = {}
+        for path, key in (
+            (self.path.with_name("metrics.jsonl"), "epoch"),
+            (self.path, "global_step"),
+        ):
+            lines = []
+            if path.exists():
+                lines = [line for line in path.read_text().splitlines() if line]
+            records = [json.loads(line) for line in lines]
+            kept[key] = [record for record in records if record[key] <= last[key]]
+            kept_lines = [line for line, record in zip(lines, records) if record[key] <= last[key]]
+            if kept_lines != lines:
+                # Written anew whole: a full disk loses none.
+                text = "".join(line + "\n" for line in kept_lines)
+                write_atomically(path, text.encode())
+        if self.args.tensorboard:
+            first_step = last["global_step"] + 1
+            self.sinks.append(TensorBoardSink(self.path.with_name("tensorboard"), first_step))
+        if self.args.wandb:
+            config = vars(self.args)
+            wandb = WandbSink(self.args.wandb, self.saved["wandb_id"], config, self.path.parent)
+            wandb.replay(kept["global_step"], kept["epoch"], self.steps_per_epoch)
+            self.sinks.append(wandb)
+
+    def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor, **more) -> None:
+        """Every rank calls it at the same step (an all-reduce): a training record of all ranks'
+        numbers; a diverged run stops here."""
+        record = dict(
+            **self.meter.since_record(),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            peak_mem_mb=peak_memory_mb(self.meter.sums.device),
+            **more,
+        )
+        check_finite(None, epoch, step, record, self.args)
+        left = self.args.batch_size / record["images_per_s"] * (self.steps_per_epoch - step)
+        self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")
+
+    def add(self, epoch: int, step: int, values: dict, suffix: str = "") -> None:
+        """Every rank calls it at the same step: a record of values at this step, and its console
+        line; a failed write ends all ranks."""
+        where = f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch}"
+        log.info(f"{where} {format_record(values)}{suffix}")
+        global_step = epoch * self.steps_per_epoch + step
+        # A full disk ends every rank with one line.
+        with errors_shared_by_all_ranks():
+            # One writer: the numbers are all ranks' already (the others log warnings only).
+            if self.rank == 0:
+                record = dict(epoch=epoch + 1, step=step, global_step=global_step, **values)
+                append_metrics(self.path, record)
+                for sink in self.sinks:
+                    sink.log_step(values, global_step)
+
+    def epoch(self, record: dict) -> None:
+        """On rank 0: the epoch's line in metrics.jsonl (whole or not at all), in the sinks at its
+        last step, then printed."""
+        append_metrics(self.path.with_name("metrics.jsonl"), record)
+        for sink in self.sinks:
+            sink.log_epoch(record, record["epoch"] * self.steps_per_epoch)
+        shown = format_record(
+            record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema"
+        )
+        seconds = record["epoch_time_s"]
+        speed = record["images_per_s"]
+        where = f"epoch {record['epoch']}/{self.args.epochs}"
+        log.info(f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s")
+
+
+def format_record(record: dict, *keys: str) -> str:
+    """'key value ...' of keys (all by default): losses and accuracies to 4 decimals, the rest to 4
+    digits."""
+    parts = []
+    for key in keys or record:
+        value = record.get(key)
+        if value is None:
+            continue
+        if re.search("(loss|acc)(_ema)?$", key):
+            parts.append(f"{key} {value:.4f}")
+        else:
+            parts.append(f"{key} {value:.4g}")
+    return " ".join(parts)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak memory: on a GPU allocated, on the CPU resident (getrusage's KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def megabytes(tensors) -> float:
+    """What this rank holds of tensors (its shards of FSDP's), in MB."""
+    total = 0
+    for tensor in tensors:
+        shard = local_shard(tensor)
+        total += shard.numel() * shard.element_size()
+    return total / 2**20
+
+
+def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    """MB: peak memory; parameters, gradients, optimizer state held by this rank."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return dict(
+        peak_mem_mb=peak_memory_mb(device),
+        params_mb=megabytes(params),
+        grads_mb=megabytes(p for p in params if p.requires_grad),
+        optimizer_mb=megabytes(state),
+    )

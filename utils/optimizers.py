@@ -1,0 +1,128 @@
+"""The optimizer (--optimizer), the learning-rate schedule (a linear warm-up into a cosine decay,
+per optimizer step) and the moving average of the weights (--ema).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from .ranks import local_shard, unwrap
+
+
+def build_optimizer(params, args) -> torch.optim.Optimizer:
+    """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
+    # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of
+    # all the weights; not with float16 (FSDP's gradient scaler checks overflow on all ranks on the
+    # foreach path only), nor for SGD (FSDP's shards have no fused SGD).
+    if args.optimizer == "adamw":
+        fused = None
+        if getattr(args, "amp_dtype", None) != "float16":
+            fused = True
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
+    return torch.optim.SGD(
+        params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
+
+
+class WarmupCosine:
+    """The lr factor at a step: a linear rise over the first `warmup` part of `steps`, then a
+    cosine decay to 0."""
+
+    def __init__(self, steps: int, warmup: float):
+        self.steps = steps
+        self.rise = max(1, round(warmup * steps))
+
+    def __call__(self, step: int) -> float:
+        if step < self.rise:
+            return (step + 1) / self.rise
+        decayed = (step - self.rise) / max(1, self.steps - self.rise)
+        return 0.5 * (1 + math.cos(math.pi * decayed))
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, steps: int, warmup: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule, stepped per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(steps, warmup))
+
+
+class EMA:
+    """--ema DECAY: a moving average of the weights and buffers, updated after each optimizer step
+    on every rank (under FSDP each its own shards), validated and saved beside them. Its decay is
+    min(DECAY, (1 + n) / (10 + n)) at update n (TensorFlow's num_updates): the first weights fade
+    fast. Without --ema it does nothing.
+    """
+
+    def __init__(self, model: nn.Module, decay: float | None):
+        self.model = unwrap(model)
+        self.decay = decay
+        self.updates = 0
+        self.average = {}
+        if decay is not None:
+            self.average = {name: t.detach().clone() for name, t in self.named().items()}
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by plain name (no DDP "module."), each once (a tied head is
+        one)."""
+        return dict([*self.model.named_parameters(), *self.model.named_buffers()])
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(average, weight): this rank's part of each."""
+        named = self.named()
+        return [
+            (local_shard(average), local_shard(named[name]).detach())
+            for name, average in self.average.items()
+        ]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        weight = 1 - min(self.decay or 0, (1 + self.updates) / (10 + self.updates))
+        for average, live in self.pairs():
+            # Integers (batch norm's count) are copied as they are.
+            if average.is_floating_point():
+                average.lerp_(live, weight)
+            else:
+                average.copy_(live)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The model holds the average within, then its own weights again, bit for bit."""
+        self.swap()
+        yield  # an error in it ends the run: no step is ever taken on the average
+        self.swap()
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        # A tensor at a time: no second copy of the model.
+        for average, live in self.pairs():
+            kept = live.clone()
+            live.copy_(average)
+            average.copy_(kept)
+
+    def evaluated(self, evaluate: Callable[[], dict]) -> dict:
+        """evaluate()'s record; with --ema the average's too."""
+        record = evaluate()
+        if self.average:
+            with self.swapped():
+                for key, value in evaluate().items():
+                    if key != "val_images":
+                        record[f"{key}_ema"] = value
+        return record
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "average": self.average}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["average"].keys() != self.average.keys():
+            raise ValueError("its --ema is not this run's")
+        # A sharded checkpoint has loaded into the average itself; checkpoint.pt's tensors go to
+        # its device.
+        self.updates = state["updates"]
+        for name, tensor in state["average"].items():
+            self.average[name] = tensor.to(self.average[name].device)

@@ -1,0 +1,231 @@
+"""The ranks of a run: joining the process group (rendezvous_store, fresh_namespace,
+describe_init_error), which rank prints (setup_logging), collectives that also work in a world of
+one (all_reduce, all_gather_objects, gather_on_rank_0), and errors_shared_by_all_ranks, a block
+that every rank enters and that ends every rank with one rank's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import inspect
+import logging
+import os
+import re
+import socket
+import sys
+import time
+import uuid
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import UsageError, first_line
+from .internals import tree_map_only
+
+log = logging.getLogger("train")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 prints progress; the other ranks print warnings and errors only."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        stream=sys.stdout,
+        force=True,
+        format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+    )
+
+
+def check_batch_size(batch_size: int, parts: int, what: str) -> int:
+    """The batch of each of parts (described by what); a clear error if it does not split evenly."""
+    if batch_size % parts or batch_size < parts:
+        raise UsageError(
+            f"--batch-size {batch_size} does not split evenly over {what}: use a multiple of"
+            f" {parts}"
+        )
+    return batch_size // parts
+
+
+def rendezvous_store(
+    init_method: str | None, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.Store:
+    """The key-value store where the processes meet, for init_process_group(store=...)."""
+    if init_method is None:
+        return dist.HashStore()  # a world of one needs no network
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        return dist.FileStore(url.path, world_size)
+    if url.scheme == "env":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts the store
+            agent_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            return fresh_namespace(agent_store, rank, world_size, timeout)
+        url = urlparse(f"tcp://{host}:{port}")  # Slurm, or MASTER_ADDR set by hand
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise UsageError(f"cannot use {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
+    # Rank 0 listens on the given address only: TCPStore alone would listen on every interface.
+    listen_fd = None
+    if rank == 0:
+        try:
+            listen_fd = socket.create_server((url.hostname, url.port)).detach()
+        except OSError as e:
+            reason = f"{e.strerror}; the address must be one of this machine (node 0)"
+            if e.errno == errno.EADDRINUSE:
+                reason = "the port is in use; choose another --port"
+            where = f"tcp://{url.hostname}:{url.port}"
+            raise UsageError(f"cannot listen on {where}: {reason}") from None
+    return dist.TCPStore(
+        url.hostname,
+        url.port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=listen_fd,
+    )
+
+
+def fresh_namespace(
+    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.Store:
+    """A part of store no earlier group of this job wrote to: rank 0 draws a generation and
+    answers each rank's token with it."""
+    # torchrun keeps its store across worker restarts, whose count differs between nodes (PyTorch
+    # issue 135712).
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"ddp/hello/{rank}", token)
+        generation = int(store.get(f"ddp/answer/{token}"))  # waits for rank 0's answer
+        store.add(f"ddp/{generation}/joined", 1)
+        return dist.PrefixStore(f"ddp/{generation}/", store)
+    deadline = time.monotonic() + timeout.total_seconds()
+    generation = store.add("ddp/generation", 1)
+    answered = set()
+    hellos = [f"ddp/hello/{r}" for r in range(1, world_size)]
+    while True:
+        joined = store.add(f"ddp/{generation}/joined", 0)
+        if joined >= world_size - 1:
+            return dist.PrefixStore(f"ddp/{generation}/", store)
+        arrived = [key for key in hellos if store.check([key])]
+        for token in set(store.multi_get(arrived)) - answered:
+            store.set(f"ddp/answer/{token.decode()}", str(generation))
+            answered.add(token)
+        if time.monotonic() > deadline:
+            arrived = f"only {joined + 1} of {world_size} processes arrived within {timeout}"
+            raise TimeoutError(arrived)
+        time.sleep(0.01)
+
+
+def describe_init_error(error: Exception, init_method: str) -> str:
+    """Turn a failed rendezvous into a line that says what to change."""
+    text = first_line(error)
+    timed_out = re.search("timed out|timeout", text, re.I) is not None
+    if isinstance(error, (dist.DistStoreError, TimeoutError)) or timed_out:
+        return (
+            f"rendezvous at {init_method} timed out: is the address right and every process"
+            f" started? ({text})"
+        )
+    return f"rendezvous at {init_method} failed: {text}"
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Processes that share a machine's cores must not each use all of them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def slurm_master_addr(nodelist: str) -> str:
+    """First host of a Slurm node list, compressed or not: 'node[01-04],gpu7' -> 'node01'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise UsageError(f"cannot read a host from Slurm node list {nodelist!r}")
+    prefix, ranges = match.groups()  # node, 01-04
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def no_buffer_sync_per_forward() -> dict[str, bool]:
+    """DDP's keyword for no buffer broadcast before every forward (forward_sync_buffers since
+    2.14)."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """Every rank calls it: tensor, in place, summed (or op) over all ranks; as it is in a world
+    of one."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def world_size() -> int:
+    """The processes of the run: 1 without a process group."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank calls it: every rank's obj, in rank order; [obj] in a world of one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    objects = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objects, obj, group=group)
+    return objects
+
+
+def gather_on_rank_0(obj) -> list | None:
+    """Every rank calls it: every rank's obj, its tensors copied to the CPU, on rank 0 alone."""
+    obj = tree_map_only(torch.Tensor, to_cpu, obj)
+    if world_size() == 1:
+        return [obj]
+    objects = None
+    if dist.get_rank() == 0:
+        objects = [None] * dist.get_world_size()
+    dist.gather_object(obj, objects, dst=0)
+    return objects
+
+
+def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP, DataParallel and torch.compile wrappers."""
+    inner = getattr(model, "module", getattr(model, "_orig_mod", None))
+    if inner is None:
+        return model
+    return unwrap(inner)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of an FSDP parameter (a DTensor), else the tensor
+    itself."""
+    if hasattr(tensor, "to_local"):
+        return tensor.to_local()
+    return tensor
+
+
+@contextlib.contextmanager
+def errors_shared_by_all_ranks():
+    """Every rank enters this block (an all-gather at its exit): its OSError (a full disk) or
+    UsageError on any rank ends every rank with that one line. A block for rank 0 alone is an
+    `if rank == 0:` inside it."""
+    error = ""
+    try:
+        yield
+    except UsageError as e:
+        error = str(e)
+    except OSError as e:
+        # A failed write() names no file: then the directory it was in.
+        where = e.filename or "in --output-dir"
+        error = f"cannot write {where}: {e.strerror or e}: free space or use another --output-dir"
+    errors = [e for e in all_gather_objects(error) if e]
+    if errors:
+        raise UsageError(errors[0])

@@ -1,0 +1,86 @@
+"""The step every rank stops after: a signal (SIGTERM, SIGUSR1) on any rank, a stream that ended on
+one, or a batch one rank could not read. One small all-reduce a step, started as the step begins
+and awaited after its backward.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+from .ranks import all_gather_objects
+
+
+class StopSignal:
+    """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks
+    agree on the step to stop after."""
+
+    def __init__(self):
+        self.signal = 0
+        self.work = None
+        self.flags = torch.zeros(2, dtype=torch.long)
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self.note)
+        # With GPUs the flags go over the CPU: no GPU synchronisation every step.
+        self.group = None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def note(self, signum: int, frame) -> None:
+        self.signal = signum
+
+    def agreed(self) -> tuple[int, bool]:
+        """(the signal of any rank or 0, does some rank lack the next batch), as they were when
+        this step began."""
+        # Once a step, after its backward: the all-reduce is done by then.
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return int(self.flags[0]), bool(self.flags[1])
+
+    def steps(self, batches, first_step: int, steps: int):
+        """(step, batch) up to steps while every rank has a batch, read one ahead: the same steps
+        on every rank. A batch one rank cannot read (a bad file) ends every rank with its line."""
+        batches = iter(batches)
+        step = first_step
+        batch = None
+        ahead = None
+        error = ""
+        if step < steps:
+            ahead, error = next_batch(batches)
+        while True:
+            # Each step starts the all-reduce that agreed() waits for: 1 where a rank has no next
+            # batch, 2 where one could not read it.
+            lacking = 2 if error else int(ahead is None)
+            self.flags = torch.tensor([self.signal, lacking])
+            if dist.is_initialized():
+                self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
+            if step > first_step:
+                yield step, batch
+            # A stream that ended early, or on one rank sooner: all end the epoch here.
+            if self.agreed()[1]:
+                break
+            step += 1
+            batch = ahead
+            ahead = None
+            if step < steps:
+                ahead, error = next_batch(batches)
+        if self.flags[1] == 2:
+            raise UsageError(next(e for e in all_gather_objects(error) if e))
+        if step == 0:
+            raise UsageError(
+                "the training data gave no full batch this epoch: lower --batch-size or use more"
+                " data"
+            )
+
+
+def next_batch(batches) -> tuple[object, str]:
+    """(the next batch or None at the end, ""), or (None, the line) where the dataset raised a
+    UsageError (the built-in image folder's file that cannot be read)."""
+    try:
+        return next(batches, None), ""
+    except UsageError as e:
+        return None, str(e)

@@ -1,0 +1,106 @@
+"""How DataLoader workers start and end: forked from a forkserver that imported the script once
+(worker_start), leaving SIGTERM to their rank and ending with it (init_worker), and writing their
+stacks when the watchdog asks (worker_stacks). A script passes workers.init_worker and
+workers.worker_start(args.workers) to each DataLoader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from .checkpoints import write_atomically
+from .internals import start_forkserver
+
+
+def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
+    """(pid, frames, text) of this process's DataLoader workers: each writes its stack when
+    signalled (init_worker)."""
+    pids = [child.pid for child in multiprocessing.active_children()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+    paths = [worker_stack_path(pid) for pid in pids]
+    wait_until(lambda: all(path.exists() for path in paths), 2)
+    stacks = []
+    for pid, path in zip(pids, paths):
+        with contextlib.suppress(OSError, ValueError):
+            frames, text = json.loads(path.read_text())
+            summaries = [traceback.FrameSummary(*f, lookup_line=False) for f in frames]
+            stacks.append((pid, summaries, text))
+            path.unlink()
+    return stacks
+
+
+def worker_stack_path(pid: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"dataloader-worker-{pid}.stack.json"
+
+
+def write_worker_stack(signum: int, frame) -> None:
+    stack = traceback.extract_stack(frame)
+    frames = [(f.filename, f.lineno, f.name) for f in stack]
+    text = "".join(traceback.format_list(stack))
+    write_atomically(worker_stack_path(os.getpid()), json.dumps([frames, text]).encode())
+
+
+def end_with_parent(parent) -> None:
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(0)
+
+
+def init_worker(worker_id: int) -> None:
+    """A DataLoader worker's start: it leaves SIGTERM to its rank (torchrun, Slurm and docker stop
+    signal workers too, where PyTorch's handler would end them, the epoch unsaved), and writes its
+    stack when the watchdog asks."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, write_worker_stack)
+    # Its parent is the forkserver, which PyTorch's worker loop does not watch: end with the rank.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        watch = threading.Thread(target=end_with_parent, args=(parent,), daemon=True)
+        watch.start()
+
+
+def worker_start(workers: int):
+    """How DataLoader workers start: forked from a forkserver, a process of one thread that imported
+    the script once, never from a rank's process, whose other threads (gloo's, a stream library's)
+    may hold a lock of the interpreter at the fork and so deadlock the child."""
+    if not workers:
+        return None
+    context = multiprocessing.get_context("forkserver")
+    # It imports, once, the modules this process has imported from the script's folder (the script
+    # as a module) and from this folder, whatever its name (ddp_utils.builtin), so that the workers
+    # need not; Python passes no path to it, so the folders above them go in PYTHONPATH while it
+    # starts.
+    script = getattr(sys.modules["__main__"], "__file__", None) or __file__
+    script_folder = Path(script).resolve().parent
+    ours = Path(__file__).resolve().parent
+    modules = {__name__}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        folder = Path(file).resolve().parent
+        if folder == script_folder and Path(file).stem.isidentifier():
+            modules.add(Path(file).stem)
+        elif folder == ours:
+            modules.add(module.__name__)
+    context.set_forkserver_preload(sorted(modules))
+    start_forkserver([str(script_folder), str(ours.parent)])
+    return context
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
