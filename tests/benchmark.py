@@ -312,13 +312,14 @@ def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
 
 
 def stream_copy(script: str, out: Path, version: str) -> Path:
-    """script and utils.py with STREAM_CODE as the user's functions (and builtin.py for its model): this version, or
-    those of STREAM_BEFORE, taken from git."""
+    """script and utils/ with STREAM_CODE as the user's functions: this version, or those of STREAM_BEFORE, taken
+    from git (utils.py and builtin.py beside the script then)."""
     root = ROOT
+    code = STREAM_CODE
     if version == "before":
         root = out / "before"
         root.mkdir(parents=True)
-        for name in (script, "utils.py"):
+        for name in (script, "utils.py", "builtin.py"):
             (root / name).write_text(
                 subprocess.run(
                     ["git", "show", f"{STREAM_BEFORE}:{name}"],
@@ -328,28 +329,32 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
                     text=True,
                 ).stdout
             )
-    copy = copy_with_your_functions(script, out / "copy", STREAM_CODE, root)
-    shutil.copy(ROOT / "builtin.py", copy.parent)
+        code = code.replace("from utils import builtin", "import builtin")
+    copy = copy_with_your_functions(script, out / "copy", code, root)
+    if version == "before":
+        shutil.copy(root / "builtin.py", copy.parent)
     return copy
 
 
 def changed_copy(script: str, directory: Path, blocking: bool) -> str:
-    """script, utils.py, stalls.py and builtin.py copied, with a per-step agreement that is a blocking all-reduce
-    at the step's start (what overlapping it with the step saves), or with no watchdog started (what it costs);
-    all else alike."""
+    """script and utils/ copied, with a per-step agreement that is a blocking all-reduce at the step's start (what
+    overlapping it with the step saves), or with a watchdog whose thread never starts (what it costs); all else
+    alike."""
     directory.mkdir(parents=True)
-    for name in (script, "utils.py", "stalls.py", "builtin.py"):
-        shutil.copy(ROOT / name, directory)
+    shutil.copy(ROOT / script, directory)
+    shutil.copytree(
+        ROOT / "utils", directory / "utils", ignore=shutil.ignore_patterns("__pycache__")
+    )
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
-    watchdog = "watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))"
+    watching = 'threading.Thread(target=self.watch, name="watchdog", daemon=True).start()'
     name, old, new = (
-        ("utils.py", agreement, agreement.replace("True", "False"))
+        ("utils/stops.py", agreement, agreement.replace("True", "False"))
         if blocking
-        else (script, watchdog, "pass  # no watchdog: no thread")
+        else ("utils/stalls.py", watching, "pass  # no watchdog thread")
     )
     source = (directory / name).read_text()
     assert old in source, (
-        "stops.StopSignal or the script's watchdog line changed: update the benchmark's copy"
+        "stops.StopSignal or the watchdog's thread changed: update the benchmark's copy"
     )
     (directory / name).write_text(source.replace(old, new))
     return str(directory / script)

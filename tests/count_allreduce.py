@@ -11,12 +11,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
-from utils import errors, metrics, optimizers, stops  # noqa: E402
+from utils import errors, metrics, optimizers, stalls, stops  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
-def main():
+def main(teardown):
     args = script.parse_args()
     rank, local_rank, world_size, device = script.setup_distributed(args)
     train_set, val_set, num_classes = script.build_datasets(args)
@@ -53,6 +53,7 @@ def main():
         None,
         records,
         optimizers.EMA(model, args.ema),
+        teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
     )
     if rank == 0:
         print(

@@ -475,12 +475,13 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     """Ranks failing at once write into one stderr (torchrun's): a line in two writes (print() writes its newline
     apart, at once with PYTHONUNBUFFERED) ran into the other rank's line. Each write shows here as <...>."""
     code = (
-        "import io, os, sys, utils\n"
+        "import io, os, sys\n"
+        "from utils import errors, flags\n"
         "class Writes(io.RawIOBase):\n"
         "    def writable(self): return True\n"
         "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
         "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
-        "errors.run_main(lambda: flags.build_parser('').parse_args(['--no-such-flag']))\n"
+        "errors.run_main(lambda teardown: flags.build_parser('').parse_args(['--no-such-flag']))\n"
     )
     result = run([PYTHON, "-c", code], timeout=60, check=False)
     assert result.returncode == 1 and result.stderr == (

@@ -159,7 +159,8 @@ def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     disk always loads with weights_only=True."""
     path = tmp_path / "checkpoint.pt"
     writer = (
-        f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); import utils, pathlib\n"
+        f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); import pathlib\n"
+        "from utils import checkpoints\n"
         "p = pathlib.Path(sys.argv[1]); i = 0\n"
         "while True:\n"
         "    i += 1\n"

@@ -1,5 +1,5 @@
-"""The private names of PyTorch and Python that the scripts use are reached in one commented section
-of utils.py alone, and each exists on the installed PyTorch: an upgrade that renames one fails here,
+"""The private names of PyTorch and Python that the scripts use are reached in utils/internals.py
+alone, and each exists on the installed PyTorch: an upgrade that renames one fails here,
 not in a user's run. Where one is missing all the same, the stall line still comes, naming no rank
 rather than a wrong one."""
 
@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils import stalls
 from utils import checks, internals, stalls
 from processes import ROOT
 
@@ -27,7 +26,6 @@ PRIVATE = re.compile(
     r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
     r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace|_pytree|_composable"
 )
-SECTION = "# -------------------------------------------- PyTorch's insides we reach ----"
 
 
 def test_each_internal_exists_on_the_installed_pytorch():
@@ -58,21 +56,16 @@ def test_each_internal_exists_on_the_installed_pytorch():
 
 
 def test_internals_are_reached_in_one_place():
-    for name in [*SCRIPTS, "stalls.py", "streams.py", "builtin.py", "utils.py"]:
-        path = ROOT / name
-        if not path.exists():
+    paths = [ROOT / name for name in SCRIPTS] + sorted((ROOT / "utils").glob("*.py"))
+    for path in paths:
+        if path.name == "internals.py":
             continue
-        source = path.read_text()
-        if name == "utils.py":  # outside its section on PyTorch's insides
-            start = source.index(SECTION)
-            end = source.index("\n# ---", start + len(SECTION))
-            source = source[:start] + source[end:]
         lines = [
             line
-            for line in source.splitlines()
+            for line in path.read_text().splitlines()
             if PRIVATE.search(line) and not line.lstrip().startswith("#")
         ]
-        assert not lines, (name, lines)
+        assert not lines, (path.name, lines)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

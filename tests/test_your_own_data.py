@@ -498,7 +498,7 @@ def test_the_users_own_error_at_the_start_up_step_is_theirs_and_a_librarys_refus
 def test_an_error_of_the_users_code_that_mentions_connections_keeps_its_traceback(error, tmp_path):
     """Not taken for a failed collective (a dead peer's, whose words it shares): the user's stream's own error."""
     (tmp_path / "yours.py").write_text(
-        f"import utils\n\n\ndef read_shard():\n    raise {error}\n\n\nutils.run_main(read_shard)\n"
+        f"from utils import errors\n\n\ndef read_shard(teardown):\n    raise {error}\n\n\nerrors.run_main(read_shard)\n"
     )
     result = run(
         [PYTHON, tmp_path / "yours.py"], env={"PYTHONPATH": str(ROOT)}, check=False, timeout=60
@@ -756,7 +756,7 @@ def test_each_script_holds_its_recipe():
             "train_loader.sampler.set_epoch(epoch)",
             "optimizers.EMA(model, args.ema)",
             "ema.update()",
-            "ema.evaluated(lambda: evaluate(",
+            "ema.evaluated(",
             "records.epoch(record)",
         ]
         if script != "dataparallel.py":
