@@ -28,7 +28,7 @@ from utils.ranks import log
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    # --dataset: CIFAR, an image folder or fake images (utils/builtin.py)
     from utils import builtin
 
     return builtin.datasets(args)
@@ -98,7 +98,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         multiprocessing_context=workers.worker_start(args.workers),
     )
     # one process loads the whole batch; DataParallel splits it over the GPUs
-    # a stream is read here (streams.py: copy it beside the script for a stream), as the DDP scripts
+    # a stream is read here (utils/streams.py), as the DDP scripts
     # read it at world size 1
     if isinstance(train_set, IterableDataset):
         from utils import streams

@@ -35,7 +35,7 @@ from utils.ranks import log
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (builtin.py; not needed once replaced)
+    # --dataset: CIFAR, an image folder or fake images (utils/builtin.py)
     from utils import builtin
 
     return builtin.datasets(args)
@@ -169,7 +169,7 @@ def build_loaders(
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
     )
-    # a stream is read here (streams.py: copy it beside the script for a stream): each rank its part
+    # a stream is read here (utils/streams.py): each rank its part
     # of every global batch, lists of samples the workers collate (so they never read the stream,
     # which cannot split itself twice)
     if isinstance(train_set, IterableDataset):

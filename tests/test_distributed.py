@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import distributed
 from utils import builtin
-from utils import batches, ranks
+from utils import batches, ranks, stalls
 
 from processes import (
     PYTHON,
@@ -182,6 +182,8 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
                     "2",
                     "--batch-size",
                     "8",
+                    "--epochs",
+                    "1",
                     "--workers",
                     "0",
                     "--output-dir",
@@ -285,7 +287,8 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
         loader = DataLoader(
             val_set, 64, collate_fn=batches.Counted(distributed.collate)
         )  # as the script makes it
-        scored = distributed.evaluate(model, loader, args, torch.device("cpu"))
+        with stalls.Watchdog(60, tmp_path, 0) as watchdog:
+            scored = distributed.evaluate(model, loader, args, torch.device("cpu"), watchdog)
     finally:
         torch.distributed.destroy_process_group()
     assert scored["val_images"] == logged["val_images"] == 42

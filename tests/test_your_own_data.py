@@ -170,9 +170,8 @@ def copy_with_your_functions(
     name beside a project's own utils.py, which raises on import, the script's import lines changed."""
     directory.mkdir(parents=True, exist_ok=True)
     if (root / "utils").is_dir():
-        shutil.copytree(
-            root / "utils", directory / folder, ignore=shutil.ignore_patterns("__pycache__")
-        )
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(root / "utils", directory / folder, ignore=ignore, dirs_exist_ok=True)
     for name in ("utils.py", "stalls.py", "streams.py"):
         if (root / name).exists():
             shutil.copy(root / name, directory)

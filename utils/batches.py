@@ -78,7 +78,7 @@ def batch_to_device(
 ):
     """(inputs, targets) of any structure on the device. A dataset with a batch_transform(inputs,
     key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
-    validation one: the built-in images' fast path (builtin.py); a user's Dataset has none."""
+    validation one: the built-in images' fast path (builtin); a user's Dataset has none."""
     inputs, targets = batch
     # A tokenizer's BatchEncoding goes in as a plain dict.
     if isinstance(inputs, Mapping):
@@ -147,7 +147,7 @@ def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
 def first_samples(loader: DataLoader, n: int) -> list:
     """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
     spare batch."""
-    # A stream's sampler (streams.py) reads them from the stream.
+    # A stream's sampler (streams.StreamSampler) reads them from the stream.
     if hasattr(loader.sampler, "first"):
         return loader.sampler.first(n)
     # A share of nothing (a validation sampler with no index) takes the first of the set.

@@ -1,6 +1,6 @@
-"""The flags every script shares (../shared/CONTRACT.md in the project that publishes these
-scripts; README.md lists them), read so that a bad flag ends in one line; each script adds its
-approach's own flags in its parse_args.
+"""The flags every script shares (docs/recipe-and-flags.md), read so that a bad flag ends in one
+line; each script adds its approach's own flags in its parse_args (DDP's --sync-bn, --comm-hook,
+--find-unused-parameters in the DDP scripts).
 """
 
 from __future__ import annotations

@@ -42,8 +42,11 @@ class StopSignal:
         return int(self.flags[0]), bool(self.flags[1])
 
     def steps(self, batches, first_step: int, steps: int):
-        """(step, batch) up to steps while every rank has a batch, read one ahead: the same steps
-        on every rank. A batch one rank cannot read (a bad file) ends every rank with its line."""
+        """Every rank iterates it, in the same steps: (step, batch) for steps first_step + 1 to
+        steps (1-based), while every rank has a batch. It reads one batch ahead, and as each step
+        begins it starts a small all-reduce (any rank's signal, any rank without a next batch) that
+        agreed() awaits after the step's backward. A batch one rank cannot read (a bad file) ends
+        every rank with its line."""
         batches = iter(batches)
         step = first_step
         batch = None
