@@ -13,8 +13,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks, stalls
-from utils import stops, workers
+from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks
+from utils import stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,8 +98,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         multiprocessing_context=workers.worker_start(args.workers),
     )
     # one process loads the whole batch; DataParallel splits it over the GPUs
-    # a stream is read here (utils/streams.py), as the DDP scripts
-    # read it at world size 1
+    # a stream is read here (utils/streams.py), as the DDP scripts read it at world size 1
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
@@ -177,7 +176,8 @@ def train_one_epoch(
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        if recording:
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
@@ -222,7 +222,8 @@ def main(teardown: ExitStack) -> None:
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
-    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    # from here a stalled rank ends every rank, named (before training: once another waited for it);
+    # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
@@ -272,7 +273,7 @@ def main(teardown: ExitStack) -> None:
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
         a run that diverged, ends every rank."""
-        # the epoch's sums over all ranks: the next record and epoch need them
+        # every rank: the epoch's sums over all ranks, which the next record and epoch need
         progress = records.all_ranks_state_dict()
         with ranks.errors_shared_by_all_ranks():
             if rank == 0:

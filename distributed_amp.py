@@ -19,8 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers, ranks
-from utils import stalls, stops, workers
+from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
+from utils import ranks, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -180,9 +180,8 @@ def build_loaders(
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
     )
-    # a stream is read here (utils/streams.py): each rank its part
-    # of every global batch, lists of samples the workers collate (so they never read the stream,
-    # which cannot split itself twice)
+    # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
+    # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
@@ -275,7 +274,8 @@ def train_one_epoch(
             # counted on the device: no host sync per step
             skipped += internals.loss_scale(scaler) < scale
         meter.update(loss, outputs, targets, samples)
-        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        if recording:
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
@@ -332,7 +332,8 @@ def main(teardown: ExitStack) -> None:
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
-    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    # from here a stalled rank ends every rank, named (before training: once another waited for it);
+    # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     log.info(
@@ -398,7 +399,7 @@ def main(teardown: ExitStack) -> None:
     def save(epoch: int, step: int, record: dict | None = None) -> None:
         """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
         a run that diverged, ends every rank."""
-        # the epoch's sums over all ranks: the next record and epoch need them
+        # every rank: the epoch's sums over all ranks, which the next record and epoch need
         progress = records.all_ranks_state_dict()
         with ranks.errors_shared_by_all_ranks():
             if rank == 0:  # one writer; the other ranks hold the same weights

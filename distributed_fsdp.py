@@ -24,8 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers, ranks
-from utils import stalls, stops, workers
+from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
+from utils import ranks, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -216,9 +216,8 @@ def build_loaders(
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
     )
-    # a stream is read here (utils/streams.py): each rank its part
-    # of every global batch, lists of samples the workers collate (so they never read the stream,
-    # which cannot split itself twice)
+    # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
+    # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
@@ -434,7 +433,8 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        if recording:  # the numbers of all ranks since the last record; a diverged run stops here
+        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        if recording:
             # all shards' norm
             records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())
         # --eval-every N: mid-epoch too
@@ -575,7 +575,8 @@ def main(teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
             # a killed write's
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
-    # from here a stalled rank ends every rank, named (before training: once another waited for it)
+    # from here a stalled rank ends every rank, named (before training: once another waited for it);
+    # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
@@ -670,6 +671,7 @@ def main(teardown: ExitStack) -> None:
             **optimizer_state,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
+            # every rank: the epoch's sums over all ranks
             "records": records.all_ranks_state_dict(),
             "ema": ema.state_dict(),
             "arch": args.arch,

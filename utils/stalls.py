@@ -137,6 +137,10 @@ class Watchdog(contextlib.AbstractContextManager):
             # A C call that holds the GIL stops this thread too: faulthandler's thread then ends it.
             backstop = self.timeout + 2 * GRACE.total_seconds()
             faulthandler.dump_traceback_later(backstop, exit=True)
+            # Closed meanwhile (close() sets closed, then cancels): not armed after the run.
+            if self.closed:
+                faulthandler.cancel_dump_traceback_later()
+                return
             try:
                 alarm = self.check()
                 if alarm and not self.closed:
