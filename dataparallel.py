@@ -359,7 +359,7 @@ def main(teardown: ExitStack) -> None:
         save(epoch + 1, 0, record)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
     with ranks.errors_shared_by_all_ranks():
-        checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog=watchdog)
+        checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
 
 
 if __name__ == "__main__":

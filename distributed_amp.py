@@ -493,7 +493,7 @@ def main(teardown: ExitStack) -> None:
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:
-            checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog=watchdog)
+            checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

@@ -553,9 +553,7 @@ def main(teardown: ExitStack) -> None:
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:
             with diloco.synchronised():
-                checkpoints.save_pretrained(
-                    ranks.unwrap(model), output_dir / "hf", watchdog=watchdog
-                )
+                checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

@@ -709,7 +709,7 @@ def main(teardown: ExitStack) -> None:
                         checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
                         if name == "model":
                             checkpoints.save_pretrained(
-                                module, output_dir / "hf", weights, watchdog
+                                module, output_dir / "hf", watchdog, weights
                             )
             del weights  # before the twin's: one whole copy at a time
 

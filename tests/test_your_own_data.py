@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import batches, checks, errors, flags, metrics
+from utils import batches, checks, errors, flags
+from utils.metrics import Meter
 from processes import (
     OFFLINE,
     PYTHON,
@@ -593,7 +594,7 @@ def test_the_start_up_step_leaves_weights_statistics_and_random_streams_as_they_
     ],
 )
 def test_accuracy_is_measured_only_where_targets_are_class_indices(outputs, targets, accuracy):
-    meter = metrics.Meter(torch.device("cpu"))
+    meter = Meter(torch.device("cpu"))
     meter.update(torch.tensor(0.5), outputs, targets, samples=2)
     totals = meter.all_ranks()
     assert (totals.mean_loss(), totals.accuracy(), totals.samples) == (0.5, accuracy, 2)
@@ -601,7 +602,7 @@ def test_accuracy_is_measured_only_where_targets_are_class_indices(outputs, targ
 
 def test_a_loss_sum_and_count_is_logged_per_item_and_samples_as_samples():
     """Two batches of 2 samples with 3 and 9 tokens: the mean over 12 tokens, not the mean of the batches' means."""
-    meter = metrics.Meter(torch.device("cpu"))
+    meter = Meter(torch.device("cpu"))
     meter.update(
         (torch.tensor(6.0), 3), torch.randn(2, 4, 5), torch.zeros(2, 5, dtype=torch.long), samples=2
     )

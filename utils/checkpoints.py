@@ -147,21 +147,17 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     return epoch, step
 
 
-def save_pretrained(
-    model: nn.Module, directory: Path, state: dict | None = None, watchdog=None
-) -> None:
+def save_pretrained(model: nn.Module, directory: Path, watchdog, state: dict | None = None) -> None:
     """A Hugging Face model as its save_pretrained writes it (a PEFT model: the adapter alone), for
     from_pretrained: from state, its whole weights with plain keys, where the model holds shards;
-    in place once complete. Any other model: model.pt or checkpoint.pt is all."""
+    in place once complete, the watchdog (stalls.Watchdog) timing its bytes. Any other model:
+    model.pt or checkpoint.pt is all."""
     if not hasattr(model, "save_pretrained"):
         return
     if state is None:
         state = model.state_dict()
     new = directory.with_name(directory.name + ".new")
-    saving = contextlib.nullcontext()
-    if watchdog is not None:
-        saving = watchdog.writing(directory, new)
-    with saving:
+    with watchdog.writing(directory, new):
         model.save_pretrained(new, state_dict=state)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(new, directory)
