@@ -33,9 +33,8 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
