@@ -100,9 +100,10 @@ def run_main(
     except Exception as e:
         line = error_line(e)
         if line is None:
-            # A bug, the user's or ours: its traceback, then os._exit below (no exit that waits
-            # on DataLoader workers).
-            traceback.print_exc()
+            # A bug, the user's or ours: its traceback in one write (print_exc writes it a line
+            # at a time, and the ranks that raise at once would interleave theirs), then os._exit
+            # below (no exit that waits on DataLoader workers).
+            sys.stderr.write(traceback.format_exc())
             exit_code = 1
     finally:
         # After the except blocks, whose exception kept main's frames (the model, DDP, FSDP)
