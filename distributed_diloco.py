@@ -7,9 +7,8 @@
 Each process trains its own copy on its shard of every batch, with its own optimizer and nothing
 sent, for --inner-steps H steps; then all average how far their copies moved since the last outer
 step (one all-reduce of the weights: H times fewer bytes than DDP), and an outer optimizer
-(Nesterov SGD) takes that mean as its gradient (Douillard et al., 2023, DiLoCo). Its momentum rises
-from none at the first outer step to DiLoCo's 0.9, so that short runs learn too
-(docs/many-machines.md).
+(Nesterov SGD) takes that mean as its gradient (Douillard et al., 2023, DiLoCo), at momentum 0.5
+where DiLoCo's 0.9 fails short runs (docs/many-machines.md).
 """
 
 from __future__ import annotations
@@ -94,11 +93,8 @@ def parse_args():
     parser.add_argument(
         "--outer-momentum",
         type=float,
-        default=None,
-        help=(
-            "its Nesterov momentum, constant (DiLoCo's: 0.9; 0: none); by default min(0.9, (t - 1)"
-            " / (t + 2)) at outer step t: none at the first, 0.5 at the fourth, 0.9 from the 28th"
-        ),
+        default=0.5,
+        help="its Nesterov momentum (0: none; DiLoCo's 0.9 for runs of hundreds of outer steps)",
     )
     args = parser.parse_args()
     flags.check_args(args)
@@ -217,45 +213,28 @@ def build_loaders(
 
 
 class DiLoCo:
-    """The outer loop: the last outer step's weights, and the outer optimizer (Nesterov SGD) that
-    takes the copies' mean move as its gradient."""
+    """The outer loop: the last outer step's weights, and the outer optimizer that takes the copies'
+    mean move."""
 
     def __init__(self, model: nn.Module, args, world_size: int):
         self.params, self.world_size = list(model.parameters()), world_size
         # batch-norm statistics: averaged
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.synced = [p.detach().clone() for p in self.params]  # the last outer step's weights
-        self.lr, self.momentum = args.outer_lr, args.outer_momentum
-        # the outer optimizer's state: its momentum, and the rule's position (outer steps taken)
-        self.velocity = [torch.zeros_like(p) for p in self.synced]
-        self.outer_steps = 0
+        self.optimizer = torch.optim.SGD(
+            self.synced,
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            nesterov=args.outer_momentum > 0,
+        )
         # its global step, bytes sent, at the last record
         self.at, self.sent, self.counted = 0, 0.0, (0.0, 0)
 
-    @staticmethod
-    def rule(args) -> str:
-        """The outer optimizer, as the run's first line names it."""
-        momentum = "min(0.9, (t - 1) / (t + 2)) at outer step t"
-        if args.outer_momentum is not None:
-            momentum = f"{args.outer_momentum:g}"
-        return f"outer Nesterov SGD lr {args.outer_lr:g}, momentum {momentum}"
-
-    def momentum_now(self) -> float:
-        """--outer-momentum; by default rising from none (the copies' mean move, times the outer
-        lr) at the first outer step to 0.9. With a constant 0.9 the outer steps move 1.3, 1.9, 2.4,
-        ... 3.7 (the sixth) up to 7 times a constant mean move: a ramp short runs never leave."""
-        if self.momentum is not None:
-            return self.momentum
-        return min(0.9, (self.outer_steps - 1) / (self.outer_steps + 2))
-
-    @torch.no_grad()
     def update(self, grads: list[torch.Tensor]) -> None:
-        """The outer optimizer's step: Nesterov SGD, as torch.optim.SGD takes it."""
-        self.outer_steps += 1
-        momentum = self.momentum_now()
-        for synced, grad, velocity in zip(self.synced, grads, self.velocity):
-            velocity.mul_(momentum).add_(grad)
-            synced.sub_(grad.add(velocity, alpha=momentum), alpha=self.lr)
+        """The outer optimizer's step, the copies' mean move its gradient."""
+        for synced, grad in zip(self.synced, grads):
+            synced.grad = grad
+        self.optimizer.step()
 
     @torch.no_grad()
     def step(self, global_step: int) -> None:
@@ -295,8 +274,7 @@ class DiLoCo:
         with self.synchronised():
             return {key: value.clone() for key, value in model.state_dict().items()}
 
-    # after restore() loaded the synchronised weights: this process's copy and inner optimizer, and
-    # the outer optimizer's state
+    # after restore() loaded the synchronised weights: this process's copy and inner optimizer
     @torch.no_grad()
     def load(
         self, state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
@@ -308,19 +286,11 @@ class DiLoCo:
                 f"this checkpoint holds the copies and inner optimizers of {saved} processes:"
                 f" continue it on {saved} processes"
             )
-        outer = state["diloco"]
-        for synced, p, mine, velocity, saved in zip(
-            self.synced,
-            self.params,
-            state["replicas"][rank]["params"],
-            self.velocity,
-            outer["velocity"],
-        ):
+        for synced, p, mine in zip(self.synced, self.params, state["replicas"][rank]["params"]):
             synced.copy_(p)
             p.copy_(mine)
-            velocity.copy_(saved)
         optimizer.load_state_dict(state["replicas"][rank]["optimizer"])
-        self.at, self.sent, self.outer_steps = outer["at"], outer["sent"], outer["outer_steps"]
+        self.at, self.sent = state["diloco"]["at"], state["diloco"]["sent"]
 
 
 def train_one_epoch(
@@ -447,8 +417,8 @@ def main(teardown: ExitStack) -> None:
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
         f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
-        f" {args.lr:.4g}, weight decay {args.weight_decay:g}; H {args.inner_steps},"
-        f" {DiLoCo.rule(args)}"
+        f" {args.lr:.4g}, weight decay {args.weight_decay:g}; H {args.inner_steps}, outer Nesterov"
+        f" SGD lr {args.outer_lr:g}, momentum {args.outer_momentum:g}"
     )
 
     # fixed input size: cuDNN times and picks its fastest kernels
@@ -510,15 +480,9 @@ def main(teardown: ExitStack) -> None:
                 checkpoints.save_checkpoint(
                     {
                         "model": diloco.model_state(ranks.unwrap(model)),
+                        "optimizer": diloco.optimizer.state_dict(),
                         "replicas": replicas,
-                        # the outer optimizer's state too: its momentum and the rule's position
-                        "diloco": {
-                            "world_size": world_size,
-                            "at": diloco.at,
-                            "sent": diloco.sent,
-                            "velocity": diloco.velocity,
-                            "outer_steps": diloco.outer_steps,
-                        },
+                        "diloco": {"world_size": world_size, "at": diloco.at, "sent": diloco.sent},
                         "scheduler": scheduler.state_dict(),
                         "ema": ema.state_dict(),
                         "records": progress,
@@ -546,6 +510,7 @@ def main(teardown: ExitStack) -> None:
             checkpoint_path,
             args,
             model=ranks.unwrap(model),
+            optimizer=diloco.optimizer,
             scheduler=scheduler,
             records=records,
             ema=ema,

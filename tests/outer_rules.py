@@ -2,11 +2,12 @@
 distributed_diloco.py with H = 8 on 2 processes (torchrun), 2 seeds each, on
 - the README's main job (ResNet-18, SGD, fake images): 6 outer steps, and 24 (12 epochs);
 - a 2-layer GPT-2 with AdamW on counting sequences (tests/test_fsdp.py's): 6, 24 and 200 outer steps.
-Rules: DiLoCo's Nesterov 0.7 / 0.9, a constant 0.7 / 0.5, plain averaging (outer lr 1, no momentum), the script's
-default (Nesterov lr 0.7, momentum min(0.9, (t - 1) / (t + 2)) at outer step t) and schedule-free SGD (lr 2, beta
-0.2; Khaled et al., 2025), which this file adds to a copy of the script. Prints one markdown table.
+Rules: Nesterov SGD at DiLoCo's lr 0.7 and momentum 0.9, at 0.7 / 0.5 (the script's default), plain averaging (outer
+lr 1, no momentum); and two this file adds to a copy of the script: a momentum rising from none, min(0.9, (t - 1) /
+(t + 2)) at outer step t, and schedule-free SGD (lr 2, beta 0.2; Khaled et al., 2025). Prints each run's end and a
+markdown table of the means (each seed's in brackets).
 
-    python tests/outer_rules.py                 # everything (about an hour on 2 CPU cores)
+    python tests/outer_rules.py                 # everything (about 40 min on 2 CPU cores, main-24 as much again)
     python tests/outer_rules.py --tasks gpt2-6  # some rows
 """
 
@@ -54,17 +55,15 @@ TASKS = {
 H = ["--inner-steps", "8"]
 RULES = {
     "DDP": ("distributed.py", []),
-    "0.7 / 0.9 (DiLoCo's)": ("distributed_diloco.py", [*H, "--outer-momentum", "0.9"]),
-    "0.7 / 0.5": ("distributed_diloco.py", [*H, "--outer-momentum", "0.5"]),
-    "averaging (1 / 0)": (
-        "distributed_diloco.py",
-        [*H, "--outer-lr", "1", "--outer-momentum", "0"],
-    ),
-    "0.7 / rising (default)": ("distributed_diloco.py", H),
-    "schedule-free 2 / 0.2": ("schedule_free.py", [*H, "--outer-lr", "2"]),
+    "DiLoCo's 0.7 / 0.9": ("distributed_diloco.py", [*H, "--outer-momentum", "0.9"]),
+    "0.7 / 0.5 (the default)": ("distributed_diloco.py", H),
+    "averaging 1 / 0": ("distributed_diloco.py", [*H, "--outer-lr", "1", "--outer-momentum", "0"]),
+    # the variants this file adds to a copy of the script
+    "0.7 / rising": ("variants.py", H, {"OUTER": "rising"}),
+    "schedule-free 2 / 0.2": ("variants.py", [*H, "--outer-lr", "2"], {"OUTER": "schedule-free"}),
 }
 
-SCHEDULE_FREE = '''
+VARIANTS = '''
 
 class ScheduleFree(DiLoCo):
     """Schedule-free SGD as the outer optimizer (Defazio et al., 2024), beta 0.2: z takes the copies' mean move
@@ -77,12 +76,13 @@ class ScheduleFree(DiLoCo):
         super().__init__(model, args, world_size)
         self.z = [s.clone() for s in self.synced]
         self.x = [s.clone() for s in self.synced]
+        self.outer_steps = 0
 
     @torch.no_grad()
     def update(self, grads):
         self.outer_steps += 1
         for y, z, x, grad in zip(self.synced, self.z, self.x, grads):
-            z.sub_(grad, alpha=self.lr)
+            z.sub_(grad, alpha=self.optimizer.param_groups[0]["lr"])
             x.lerp_(z, 1 / (self.outer_steps + 1))
             y.copy_(torch.lerp(z, x, self.beta))
 
@@ -96,12 +96,30 @@ class ScheduleFree(DiLoCo):
             self.synced = y
 
 
-DiLoCo = ScheduleFree
+class Rising(DiLoCo):
+    """Nesterov momentum min(0.9, (t - 1) / (t + 2)) at outer step t: none at the first (the mean move times the
+    outer lr), 0.5 at the fourth, 0.9 from the 28th."""
+
+    def __init__(self, model, args, world_size):
+        super().__init__(model, args, world_size)
+        self.velocity = [torch.zeros_like(s) for s in self.synced]
+        self.outer_steps = 0
+
+    @torch.no_grad()
+    def update(self, grads):
+        self.outer_steps += 1
+        momentum = min(0.9, (self.outer_steps - 1) / (self.outer_steps + 2))
+        for synced, grad, velocity in zip(self.synced, grads, self.velocity):
+            velocity.mul_(momentum).add_(grad)
+            synced.sub_(grad.add(velocity, alpha=momentum), alpha=self.optimizer.param_groups[0]["lr"])
+
+
+DiLoCo = {"schedule-free": ScheduleFree, "rising": Rising}[os.environ["OUTER"]]
 '''
 
 
 def copies(tmp: Path, task: str) -> Path:
-    """The folder with the scripts a task runs: its user code in each, and schedule_free.py."""
+    """The folder with the scripts a task runs: its user code in each, and variants.py."""
     folder = tmp / task
     code = TASKS[task][0]
     for script in ("distributed.py", "distributed_diloco.py"):
@@ -109,8 +127,16 @@ def copies(tmp: Path, task: str) -> Path:
     source = (folder / "distributed_diloco.py").read_text()
     main_guard = '\n\nif __name__ == "__main__":'
     assert source.count(main_guard) == 1
-    (folder / "schedule_free.py").write_text(source.replace(main_guard, SCHEDULE_FREE + main_guard))
+    (folder / "variants.py").write_text(source.replace(main_guard, VARIANTS + main_guard))
     return folder
+
+
+def cell(ends: list[float], ddp: list[float] | None, key: str) -> str:
+    """The mean of the seeds' ends; a loss also as a multiple of DDP's; each seed's in brackets."""
+    text = f"{statistics.mean(ends):.3f}"
+    if key == "val_loss" and ddp:
+        text += f" = {statistics.mean(ends) / statistics.mean(ddp):.2f}x"
+    return text + f" ({', '.join(f'{v:.3f}' for v in ends)})"
 
 
 def main() -> None:
@@ -134,20 +160,15 @@ def main() -> None:
             folder = copies(Path(tmp), task)
             _, flags, key = TASKS[task]
             cells = [(rule, seed) for rule in args.rules for seed in args.seeds]
-            commands = [
-                (
-                    torchrun(2, RULES[rule][0], *flags, *RULES[rule][1], "--seed", str(seed))
-                    + [
-                        "--output-dir",
-                        folder / f"{rule}-{seed}".replace(" ", "_").replace("/", ""),
-                    ],
-                    None,
-                    folder,
-                )
-                for rule, seed in cells
-            ]
-            results = run_parallel(commands, timeout=3600, at_once=args.at_once)
-            for (rule, seed), (command, *_), result in zip(cells, commands, results):
+            commands = []
+            for rule, seed in cells:
+                script, rule_flags, *env = RULES[rule]
+                out = folder / f"{rule}-{seed}".replace(" ", "_").replace("/", "")
+                command = torchrun(2, script, *flags, *rule_flags, "--seed", str(seed))
+                env = (env or [None])[0]
+                commands.append((command + ["--output-dir", out], env, folder))
+            run_parallel(commands, timeout=3600, at_once=args.at_once)
+            for (rule, seed), (command, *_) in zip(cells, commands):
                 ended = metrics(Path(command[-1]))[-1][key]
                 table.setdefault((task, rule), []).append(ended)
                 print(f"{task} {rule} seed {seed}: {key} {ended:.4f}", flush=True)
@@ -155,11 +176,8 @@ def main() -> None:
     print("| --- |" + " ---: |" * len(args.rules))
     for task in args.tasks:
         key = TASKS[task][2]
-        cells = [table[task, rule] for rule in args.rules]
-        row = " | ".join(
-            f"{statistics.mean(c):.3f} ({', '.join(f'{v:.3f}' for v in c)})" for c in cells
-        )
-        print(f"| {task.replace('-', ', ')}: {key} | {row} |")
+        row = [cell(table[task, rule], table.get((task, "DDP")), key) for rule in args.rules]
+        print(f"| {task.replace('-', ', ')}: {key} | {' | '.join(row)} |")
     print(
         f"\nHardware: {hardware()}.\nCommand: python tests/outer_rules.py {shlex.join(sys.argv[1:])}"
     )

@@ -2,21 +2,15 @@
 learns, and a stopped run continues exactly. distributed_diloco.py, proved as every script is: one inner step with
 --outer-lr 1 and no outer momentum is DDP's step (SGD's momentum and weight decay are linear), H inner steps on one
 process are plain training, a run stopped within an inner cycle continues exactly (every process's copy and inner
-optimizer, the outer momentum and the rule's position are in the checkpoint), on another number of processes it ends
-in one line, its records count the bytes each process sends, and the main job learns at the defaults. The outer step
-is torch.optim.SGD's Nesterov step; by default its momentum rises from none, and the first line says so."""
+optimizer, and the outer momentum, are in the checkpoint), on another number of processes it ends in one line, its
+records count the bytes each process sends, the main job learns at the defaults, and the first line names the outer
+optimizer."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-
 import pytest
-import torch
-import torch.nn as nn
 
 from processes import (
-    ROOT,
     TINY,
     ends_every_rank_with,
     max_weight_difference,
@@ -54,9 +48,9 @@ MAIN_JOB = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """4 at a time: DDP and DiLoCo as DDP on 2 processes; plain training and DiLoCo of H = 8 on 1; DiLoCo of H = 7
-    with the outer defaults on 2, straight, and stopped after epoch 1 (step 32: 4 steps into a cycle, 4 outer steps
-    taken); the main job at the defaults; and with DDP's --comm-hook bf16, the main job, and the tiny job straight and
-    stopped after epoch 1."""
+    with the outer defaults on 2, straight, and stopped after epoch 1 (step 32: 4 steps into a cycle, with the outer
+    momentum of 4 outer steps); the main job at the defaults; and with DDP's --comm-hook bf16, the main job, and the
+    tiny job straight and stopped after epoch 1."""
     base = tmp_path_factory.mktemp("diloco")
     commands = {
         "ddp": torchrun(2, "distributed.py", *EXACT),
@@ -107,10 +101,7 @@ def test_a_run_stopped_within_an_inner_cycle_continues_exactly_and_only_on_as_ma
     base, results = runs
     stopped = base / "stopped"
     first = results["stopped"].stdout.splitlines()[0]
-    rule = "; H 7, outer Nesterov SGD lr 0.7, momentum min(0.9, (t - 1) / (t + 2)) at outer step t"
-    assert first.endswith(rule), first
-    outer = torch.load(stopped / "checkpoint.pt", weights_only=True)["diloco"]
-    assert outer["outer_steps"] == 4 and len(outer["velocity"]) == len(weights(stopped))
+    assert first.endswith("; H 7, outer Nesterov SGD lr 0.7, momentum 0.5"), first
     on_one = run(
         python("distributed_diloco.py", *EXACT, "--inner-steps", "7", "--output-dir", stopped),
         check=False,
@@ -162,34 +153,3 @@ def test_gradients_all_reduced_in_bfloat16_learn_and_a_stopped_run_continues_exa
         0 < max_weight_difference(base / "bf16 straight", base / "ddp") < 0.05
     )  # rounded gradients, close ones
     assert metrics(base / "bf16 main job")[-1]["val_acc"] >= 0.9
-
-
-def test_the_outer_step_is_torchs_nesterov_sgd_and_its_momentum_rises_from_none_to_0_9():
-    """At a constant --outer-momentum the outer step is torch.optim.SGD's Nesterov step; by default the first outer
-    step moves the outer lr times the copies' mean move, and the momentum rises to 0.9 at the 28th."""
-    spec = importlib.util.spec_from_file_location(
-        "distributed_diloco", ROOT / "distributed_diloco.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    model = nn.Linear(3, 2)
-    start = [p.detach().clone() for p in model.parameters()]
-    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
-    paper = script.DiLoCo(model, argparse.Namespace(outer_lr=0.7, outer_momentum=0.9), 1)
-    reference = [p.clone() for p in start]
-    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
-    for grad in grads:
-        paper.update(grad)
-        for p, g in zip(reference, grad):
-            p.grad = g
-        sgd.step()
-    assert max((a - b).abs().max().item() for a, b in zip(paper.synced, reference)) <= 1e-6
-    rising = script.DiLoCo(model, argparse.Namespace(outer_lr=0.7, outer_momentum=None), 1)
-    rising.update(grads[0])
-    assert all(torch.allclose(s, p - 0.7 * g) for s, p, g in zip(rising.synced, start, grads[0]))
-    momenta = []
-    for t in range(1, 31):
-        rising.outer_steps = t
-        momenta.append(rising.momentum_now())
-    assert momenta[:4] == [0, 0.25, 0.4, 0.5] and max(momenta[:27]) < 0.9
-    assert momenta[27:] == [0.9] * 3
