@@ -7,7 +7,7 @@ lr 1, no momentum); and two this file adds to a copy of the script: a momentum r
 (t + 2)) at outer step t, and schedule-free SGD (lr 2, beta 0.2; Khaled et al., 2025). Prints each run's end and a
 markdown table of the means (each seed's in brackets).
 
-    python tests/outer_rules.py                 # everything (about 40 min on 2 CPU cores, main-24 as much again)
+    python tests/outer_rules.py                 # everything: over an hour on 2 CPU cores (docs/many-machines.md)
     python tests/outer_rules.py --tasks gpt2-6  # some rows
 """
 
