@@ -20,6 +20,7 @@ import torch
 
 from benchmark import Case, chart, hardware
 from processes import (
+    README_JOB,
     ROOT,
     can_make_hosts,
     free_port,
@@ -31,20 +32,7 @@ from processes import (
 )
 
 JOB = [
-    "--dataset",
-    "fake",
-    "--fake-size",
-    "1024",
-    "--image-size",
-    "16",
-    "--arch",
-    "resnet18",
-    "--batch-size",
-    "64",
-    "--ema",
-    "0.9",
-    "--workers",
-    "0",
+    *README_JOB,
     "--print-freq",
     "4",
     "--timeout",

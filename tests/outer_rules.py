@@ -21,33 +21,17 @@ import tempfile
 from pathlib import Path
 
 from benchmark import hardware
-from processes import metrics, run_parallel, torchrun
+from processes import README_JOB, metrics, run_parallel, torchrun
 from test_fsdp import YOUR_LANGUAGE_MODEL
 from test_your_own_data import copy_with_your_functions
 
-MAIN_JOB = [
-    "--dataset",
-    "fake",
-    "--fake-size",
-    "1024",
-    "--image-size",
-    "16",
-    "--arch",
-    "resnet18",
-    "--batch-size",
-    "64",
-    "--ema",
-    "0.9",
-    "--workers",
-    "0",
-]  # the README's: 16 steps an epoch
 GPT2 = ["--batch-size", "32", "--optimizer", "adamw", "--lr", "1e-2", "--workers", "0"]
 # 2048 sequences of counting: 64 steps of 32 an epoch
 COUNTING = YOUR_LANGUAGE_MODEL.replace("Progressions(640, seed=1)", "Progressions(2048, seed=1)")
 # name: (the copy's user code, None for the script's own; its flags; the number it ends at)
 TASKS = {
-    "main-6": (None, [*MAIN_JOB, "--epochs", "3"], "val_acc"),
-    "main-24": (None, [*MAIN_JOB, "--epochs", "12"], "val_acc"),
+    "main-6": (None, [*README_JOB, "--epochs", "3"], "val_acc"),
+    "main-24": (None, [*README_JOB, "--epochs", "12"], "val_acc"),
     "gpt2-6": (COUNTING, [*GPT2, "--epochs", "1", "--steps-per-epoch", "48"], "val_loss"),
     "gpt2-24": (COUNTING, [*GPT2, "--epochs", "3"], "val_loss"),
     "gpt2-200": (COUNTING, [*GPT2, "--epochs", "25"], "val_loss"),

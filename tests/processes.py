@@ -55,6 +55,23 @@ TINY = [
 ]
 # with augmentation and the default recipe; epochs of about 2 s on 2 cores, to stop or kill in the middle of one
 LONG = [*TINY, "--fake-size", "8000", "--epochs", "2", "--print-freq", "50"]
+# the README's main job (ResNet-18 on fake images, 16 steps an epoch) without its --epochs 3
+README_JOB = [
+    "--dataset",
+    "fake",
+    "--fake-size",
+    "1024",
+    "--image-size",
+    "16",
+    "--arch",
+    "resnet18",
+    "--batch-size",
+    "64",
+    "--ema",
+    "0.9",
+    "--workers",
+    "0",
+]
 EVAL_EVERY = [
     "--eval-every",
     "12",

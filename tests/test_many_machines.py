@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from processes import (
+    README_JOB,
     TINY,
     ends_every_rank_with,
     max_weight_difference,
@@ -25,24 +26,7 @@ from processes import (
 
 EXACT = [*TINY, "--no-augment"]  # 32 steps an epoch, 3 epochs, a record every 10 steps
 AS_DDP = ["--inner-steps", "1", "--outer-lr", "1", "--outer-momentum", "0"]
-MAIN_JOB = [
-    "--dataset",
-    "fake",
-    "--fake-size",
-    "1024",
-    "--image-size",
-    "16",
-    "--arch",
-    "resnet18",
-    "--batch-size",
-    "64",
-    "--epochs",
-    "3",
-    "--ema",
-    "0.9",
-    "--workers",
-    "0",
-]  # the README's, H = 8
+MAIN_JOB = [*README_JOB, "--epochs", "3"]  # H = 8: 6 outer steps
 
 
 @pytest.fixture(scope="module")
