@@ -163,7 +163,7 @@ def train_one_epoch(
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         # replicas' gradients are summed onto the first GPU
-        batches.loss_for_backward(loss).backward()
+        batches.loss_for_backward(loss, samples, args.batch_size).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -187,7 +187,7 @@ def train_one_epoch(
                 ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
             )
             model.train()
-        if signum or (args.save_every and step % args.save_every == 0):
+        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -216,7 +216,8 @@ def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, world_size = 0, 1  # one process
     ranks.setup_logging(rank)
-    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    # from here SIGTERM and SIGUSR1 finish the step, save and exit; --save-minutes: a save
+    stop = stops.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
     with ranks.errors_shared_by_all_ranks():
@@ -227,10 +228,11 @@ def main(teardown: ExitStack) -> None:
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
-    batch_per_gpu = ranks.check_batch_size(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
+    # DataParallel splits each batch over the GPUs (torch.chunk: the last part may be smaller)
+    ranks.split_batch(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
     log.info(
         f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
-        f"batch {args.batch_size} = {max(len(gpus), 1)} x {batch_per_gpu}, {args.optimizer} "
+        f"batch {args.batch_size}, {args.optimizer} "
         f"peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 

@@ -185,16 +185,23 @@ def build_loaders(
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
-        train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_sampler = streams.StreamSampler(train_set, args.batch_size, rank, world_size)
         train_loader = DataLoader(
             streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
         )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        train_sampler = DistributedSampler(
-            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-        )
+        if args.batch_size % world_size == 0:
+            train_sampler = DistributedSampler(
+                train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+            )
+        else:
+            # a batch the ranks do not divide (an elastic run on any world size): each rank takes
+            # every W-th sample of each global batch, its share within one of the others'
+            train_sampler = batches.GlobalBatchShares(
+                train_set, args.batch_size, rank, world_size, args.seed
+            )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
@@ -210,7 +217,7 @@ def build_loaders(
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_sampler = streams.StreamSampler(val_set, args.batch_size, rank, world_size, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
@@ -255,7 +262,7 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; DDP all-reduces the (scaled) gradients
         # here
-        scaler.scale(batches.loss_for_backward(loss)).backward()
+        scaler.scale(batches.loss_for_backward(loss, samples, args.batch_size)).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -287,7 +294,7 @@ def train_one_epoch(
                 ),
             )
             model.train()
-        if signum or (args.save_every and step % args.save_every == 0):
+        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -326,7 +333,8 @@ def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
     ranks.setup_logging(rank)
-    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    # from here SIGTERM and SIGUSR1 finish the step, save and exit; --save-minutes: a save
+    stop = stops.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
     with ranks.errors_shared_by_all_ranks():
@@ -335,10 +343,12 @@ def main(teardown: ExitStack) -> None:
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
-    batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    # each rank's part of every global batch: equal, or within one sample of the others'
+    split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
+    batch_per_rank = ranks.share(args.batch_size, rank, world_size)
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
-        f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
+        f" {args.batch_size} = {split}, {args.optimizer} peak lr"
         f" {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 
@@ -420,6 +430,7 @@ def main(teardown: ExitStack) -> None:
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
+                        "world_size": world_size,  # what continues says so
                         **checkpoints.rng_states(),
                     },
                     checkpoint_path,

@@ -178,16 +178,23 @@ def build_loaders(
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
-        train_sampler = streams.StreamSampler(train_set, batch_per_rank, rank, world_size)
+        train_sampler = streams.StreamSampler(train_set, args.batch_size, rank, world_size)
         train_loader = DataLoader(
             streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
         )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        train_sampler = DistributedSampler(
-            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-        )
+        if args.batch_size % world_size == 0:
+            train_sampler = DistributedSampler(
+                train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+            )
+        else:
+            # a batch the ranks do not divide (an elastic run on any world size): each rank takes
+            # every W-th sample of each global batch, its share within one of the others'
+            train_sampler = batches.GlobalBatchShares(
+                train_set, args.batch_size, rank, world_size, args.seed
+            )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
@@ -203,7 +210,7 @@ def build_loaders(
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_sampler = streams.StreamSampler(val_set, args.batch_size, rank, world_size, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
@@ -324,9 +331,8 @@ def train_one_epoch(
         outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        batches.loss_for_backward(
-            loss
-        ).backward()  # this process's gradients alone: nothing is sent
+        # this process's gradients alone: nothing is sent (weighted by its share of the batch)
+        batches.loss_for_backward(loss, samples, args.batch_size).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = stop.agreed()
@@ -362,7 +368,7 @@ def train_one_epoch(
                 epoch, step, validate(model, val_loader, args, device, ema, diloco, watchdog)
             )
             model.train()
-        if signum or (args.save_every and step % args.save_every == 0):
+        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -404,7 +410,8 @@ def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
     ranks.setup_logging(rank)
-    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    # from here SIGTERM and SIGUSR1 finish the step, save and exit; --save-minutes: a save
+    stop = stops.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
     with ranks.errors_shared_by_all_ranks():
@@ -413,10 +420,12 @@ def main(teardown: ExitStack) -> None:
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
-    batch_per_rank = ranks.check_batch_size(args.batch_size, world_size, f"{world_size} processes")
+    # each rank's part of every global batch: equal, or within one sample of the others'
+    split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
+    batch_per_rank = ranks.share(args.batch_size, rank, world_size)
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
-        f" {args.batch_size} = {world_size} x {batch_per_rank}, {args.optimizer} peak lr"
+        f" {args.batch_size} = {split}, {args.optimizer} peak lr"
         f" {args.lr:.4g}, weight decay {args.weight_decay:g}; H {args.inner_steps}, outer Nesterov"
         f" SGD lr {args.outer_lr:g}, momentum {args.outer_momentum:g}"
     )
@@ -491,6 +500,7 @@ def main(teardown: ExitStack) -> None:
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
+                        "world_size": world_size,  # what continues says so
                         **checkpoints.rng_states(),
                     },
                     checkpoint_path,

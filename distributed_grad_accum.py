@@ -164,6 +164,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
 def build_loaders(
     train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
 ) -> tuple[DataLoader, DataLoader]:
+    micro_batch = args.batch_size // args.accum_steps  # of all ranks
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its
     # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
@@ -183,7 +184,7 @@ def build_loaders(
 
         train_sampler = streams.StreamSampler(
             train_set,
-            batch_per_rank,
+            micro_batch,
             rank,
             world_size,
             # a step's batch: its readers
@@ -195,9 +196,16 @@ def build_loaders(
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        train_sampler = DistributedSampler(
-            train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
-        )
+        if args.batch_size % (world_size * args.accum_steps) == 0:
+            train_sampler = DistributedSampler(
+                train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
+            )
+        else:
+            # a micro-batch the ranks do not divide (an elastic run on any world size): each rank
+            # takes every W-th sample of each, its share within one of the others'
+            train_sampler = batches.GlobalBatchShares(
+                train_set, micro_batch, rank, world_size, args.seed, args.accum_steps
+            )
         # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
@@ -213,7 +221,7 @@ def build_loaders(
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, batch_per_rank, rank, world_size, train=False)
+        val_sampler = streams.StreamSampler(val_set, micro_batch, rank, world_size, train=False)
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
@@ -261,12 +269,14 @@ def train_one_epoch(
             ):
                 outputs = batches.forward(model, inputs)
                 loss = compute_loss(outputs, targets)
+                # each micro-batch's mean weighted by its share of the step's batch (x world size:
+                # DDP averages the ranks'): the sum is the whole batch's mean, even shares or not
                 if isinstance(loss, torch.Tensor):
-                    (loss / k).backward()  # the K micro-batch means add up to the full batch's mean
+                    (loss * (samples * dist.get_world_size() / args.batch_size)).backward()
                 # (sum, count): the step's count is known after its last micro-batch; divided by it
                 # below
                 else:
-                    (loss[0] / (k * samples)).backward()
+                    (loss[0] * (dist.get_world_size() / args.batch_size)).backward()
                     items = items + loss[1]
             meter.update(loss, outputs, targets, samples)
         if not isinstance(loss, torch.Tensor):
@@ -295,7 +305,7 @@ def train_one_epoch(
                 ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
             )
             model.train()
-        if signum or (args.save_every and step % args.save_every == 0):
+        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -343,7 +353,8 @@ def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
     ranks.setup_logging(rank)
-    stop = stops.StopSignal()  # from here SIGTERM and SIGUSR1 finish the step, save and exit
+    # from here SIGTERM and SIGUSR1 finish the step, save and exit; --save-minutes: a save
+    stop = stops.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
     with ranks.errors_shared_by_all_ranks():
@@ -352,14 +363,18 @@ def main(teardown: ExitStack) -> None:
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
-    batch_per_rank = ranks.check_batch_size(
-        args.batch_size,
-        world_size * args.accum_steps,
-        f"{world_size} processes x {args.accum_steps} micro-batches",
-    )
+    # K micro-batches of batch / K, each split over the ranks: equal parts, or within one sample
+    if args.batch_size % args.accum_steps:
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split into {args.accum_steps} micro-batches:"
+            f" use a multiple of --accum-steps"
+        )
+    micro_batch = args.batch_size // args.accum_steps
+    split = ranks.split_batch(micro_batch, world_size, f"{world_size} processes")
+    batch_per_rank = ranks.share(micro_batch, rank, world_size)
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-        f"batch {args.batch_size} = {world_size} x {args.accum_steps} x {batch_per_rank}, "
+        f"batch {args.batch_size} = {args.accum_steps} micro-batches of {split}, "
         f"{args.optimizer} peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 
@@ -434,6 +449,7 @@ def main(teardown: ExitStack) -> None:
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
+                        "world_size": world_size,  # what continues says so
                         **checkpoints.rng_states(),
                     },
                     checkpoint_path,

@@ -238,7 +238,8 @@ MEASURED = {
     "data_wait_rank",
     "peak_mem_mb",
     "tflops",
-}  # vary per run
+    "world_size",
+}  # vary per run (the world size: the same records on any)
 
 
 OWN = {

@@ -22,7 +22,6 @@ from processes import (
     ROOT,
     TINY,
     assert_same_records,
-    ends_every_rank_with,
     free_port,
     max_weight_difference,
     metrics,
@@ -462,17 +461,6 @@ def test_port_in_use_names_the_port(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: cannot listen on tcp://127.0.0.1:{port}: the port is in use; choose another --port"
-    )
-
-
-def test_indivisible_batch_fails_on_every_rank(tmp_path):
-    result = run(
-        torchrun(2, "distributed.py", *TINY, "--batch-size", "33", "--output-dir", tmp_path),
-        timeout=60,
-        check=False,
-    )
-    ends_every_rank_with(
-        result, "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
     )
 
 

@@ -77,8 +77,8 @@ def last_error_line(args: list) -> str:
 
 
 def test_spawn_reports_a_child_error_in_one_line(tmp_path):
-    assert last_error_line(["--nproc", "2", "--batch-size", "33", "--output-dir", tmp_path]) == (
-        "error: --batch-size 33 does not split evenly over 2 processes: use a multiple of 2"
+    assert last_error_line(["--nproc", "2", "--batch-size", "1", "--output-dir", tmp_path]) == (
+        "error: --batch-size 1 is smaller than 2 processes: give each at least one sample"
     )
 
 

@@ -303,7 +303,7 @@ def split(
     """What each rank's loader gives, in order: the samples of each of its batches."""
     given = []
     for rank in range(world_size):
-        sampler = streams.StreamSampler(stream, batch_per_rank, rank, world_size)
+        sampler = streams.StreamSampler(stream, batch_per_rank * world_size, rank, world_size)
         loader = DataLoader(
             streams.Samples(), None, sampler=sampler, num_workers=workers, collate_fn=list
         )
@@ -328,7 +328,7 @@ def test_the_split_gives_every_sample_of_a_full_global_batch_once_in_order_with_
             batches[4:] for batches in ranks
         ]  # a continued epoch
     validation = streams.StreamSampler(
-        numbers, 8, 1, 2, train=False
+        numbers, 16, 1, 2, train=False
     )  # rank 1 of 2: the last 4 samples are rank 0's
     assert [s for part in validation for s in part] == [
         s for b in range(6) for s in range(16 * b + 8, 16 * b + 16)

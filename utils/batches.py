@@ -11,11 +11,11 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .errors import OURS, UsageError, raised_in
 from .internals import tree_map_only
-from .ranks import all_reduce, world_size
+from .ranks import all_reduce, share, world_size
 
 
 class Counted(functools.partial):
@@ -34,15 +34,49 @@ def forward(model: nn.Module, inputs):
     return model(inputs)
 
 
-def loss_for_backward(loss) -> torch.Tensor:
-    """compute_loss's mean as it is; its (sum, count) as sum x world size / all ranks' count (one
-    small all-reduce): DDP and FSDP average the ranks' gradients, so that this is the gradient of
-    the mean over every rank's items, whatever each rank's count."""
+def loss_for_backward(loss, samples: int, batch_size: int) -> torch.Tensor:
+    """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
+    DDP and FSDP average the ranks' gradients), so that ranks whose shares differ by a sample give
+    the gradient of the whole batch's mean; as it is where the shares are equal. Its (sum, count)
+    as sum x world size / all ranks' count (one small all-reduce), whatever each rank's count."""
     if isinstance(loss, torch.Tensor):
-        return loss
+        weight = samples * world_size() / batch_size
+        if weight == 1:
+            return loss
+        return loss * weight
     total, count = loss
     count = all_reduce(torch.as_tensor(count, dtype=torch.float64, device=total.device).clone())
     return total * (world_size() / count.clamp(min=1)).to(total.dtype)
+
+
+class GlobalBatchShares(DistributedSampler):
+    """DistributedSampler for a global batch that the ranks do not divide: one shuffle per epoch,
+    alike on every rank (set_epoch), cut into global batches of batch_size (micro_batches of them a
+    step under accumulation); rank r takes samples r, r + W, ... of each, its share within one
+    sample of the others' (ranks.share). Full steps only. Where the batch divides, its samples are
+    DistributedSampler's with drop_last."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        micro_batches: int = 1,
+    ):
+        super().__init__(dataset, world_size, rank, shuffle=True, seed=seed)
+        self.batch_size = batch_size
+        self.micro_batches = micro_batches
+        self.batches = len(dataset) // (batch_size * micro_batches) * micro_batches
+        self.num_samples = self.batches * share(batch_size, rank, world_size)
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        for start in range(0, self.batches * self.batch_size, self.batch_size):
+            yield from order[start + self.rank : start + self.batch_size : self.num_replicas]
 
 
 def logits(outputs):

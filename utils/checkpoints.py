@@ -143,7 +143,13 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     done = f"{epoch} of {args.epochs} epochs done"
     if step:
         done += f" and {step} steps of the next"
-    log.info(f"continuing from {path}: {done}")
+    # an elastic run continues on another number of processes: which, and which wrote it
+    where = "on 1 process"
+    if world_size() > 1:
+        where = f"on {world_size()} processes"
+    if "world_size" in state:
+        where += f", written on {state['world_size']}"
+    log.info(f"continuing from {path} {where}: {done}")
     return epoch, step
 
 

@@ -205,6 +205,14 @@ def build_parser(description: str) -> ArgumentParser:
         metavar="N",
         help="also save a checkpoint every N optimizer steps",
     )
+    add(
+        "--save-minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="also save a checkpoint every M minutes of training (at a step all ranks agree on):"
+        " a lost node costs at most that",
+    )
     return p
 
 
@@ -218,8 +226,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers is not None and args.workers < 0) or args.seed < 0:
         raise UsageError("--workers and --seed must be >= 0")
-    if args.timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
-        raise UsageError("--timeout and --clip-grad must be > 0")
+    positive = (args.clip_grad, args.save_minutes)
+    if args.timeout <= 0 or any(value is not None and value <= 0 for value in positive):
+        raise UsageError("--timeout, --clip-grad and --save-minutes must be > 0")
     if not 0 <= args.warmup < 1:
         raise UsageError("--warmup must be in [0, 1)")
     if args.ema is not None and not 0 <= args.ema < 1:

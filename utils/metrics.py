@@ -279,6 +279,8 @@ class StepRecords:
         where = f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch}"
         log.info(f"{where} {format_record(values)}{suffix}")
         global_step = epoch * self.steps_per_epoch + step
+        # the processes that took the step: an elastic run's change shows
+        values = {**values, "world_size": world_size()}
         # A full disk ends every rank with one line.
         with errors_shared_by_all_ranks():
             # One writer: the numbers are all ranks' already (the others log warnings only).

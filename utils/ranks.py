@@ -39,14 +39,23 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def check_batch_size(batch_size: int, parts: int, what: str) -> int:
-    """The batch of each of parts (described by what); a clear error if it does not split evenly."""
-    if batch_size % parts or batch_size < parts:
+def share(batch_size: int, rank: int, parts: int) -> int:
+    """Rank's part of a batch split over parts: its samples rank, rank + parts, ..., so that the
+    parts differ by at most one sample."""
+    return len(range(rank, batch_size, parts))
+
+
+def split_batch(batch_size: int, parts: int, what: str) -> str:
+    """How a batch splits over parts (described by what), as the first line says it: "2 x 32", or
+    "3 x 21-22" where it does not divide; a clear error if some part would be empty."""
+    if batch_size < parts:
         raise UsageError(
-            f"--batch-size {batch_size} does not split evenly over {what}: use a multiple of"
-            f" {parts}"
+            f"--batch-size {batch_size} is smaller than {what}: give each at least one sample"
         )
-    return batch_size // parts
+    low, high = batch_size // parts, share(batch_size, 0, parts)
+    if low == high:
+        return f"{parts} x {low}"
+    return f"{parts} x {low}-{high}"
 
 
 def rendezvous_store(

@@ -1,11 +1,12 @@
 """The step every rank stops after: a signal (SIGTERM, SIGUSR1) on any rank, a stream that ended on
-one, or a batch one rank could not read. One small all-reduce a step, started as the step begins
-and awaited after its backward.
+one, or a batch one rank could not read; and the steps every rank saves after, every so many
+minutes. One small all-reduce a step, started as the step begins and awaited after its backward.
 """
 
 from __future__ import annotations
 
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,15 @@ from .ranks import all_gather_objects
 
 class StopSignal:
     """Notes SIGTERM and SIGUSR1 (preemption, Slurm's --signal) instead of dying at once; all ranks
-    agree on the step to stop after."""
+    agree on the step to stop after, and, given save_minutes, on a step to save after each time
+    that many minutes have passed on any rank's clock."""
 
-    def __init__(self):
+    def __init__(self, save_minutes: float | None = None):
         self.signal = 0
         self.work = None
-        self.flags = torch.zeros(2, dtype=torch.long)
+        self.flags = torch.zeros(3, dtype=torch.long)
+        self.save_seconds = (save_minutes or 0) * 60
+        self.saved_at = time.monotonic()
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.note)
         # With GPUs the flags go over the CPU: no GPU synchronisation every step.
@@ -41,6 +45,14 @@ class StopSignal:
             self.work = None
         return int(self.flags[0]), bool(self.flags[1])
 
+    def save_due(self) -> bool:
+        """After agreed(): are --save-minutes up on some rank (then every rank saves after this
+        step, and the minutes count again)?"""
+        if not self.flags[2]:
+            return False
+        self.saved_at = time.monotonic()
+        return True
+
     def steps(self, batches, first_step: int, steps: int):
         """Every rank iterates it, in the same steps: (step, batch) for steps first_step + 1 to
         steps (1-based), while every rank has a batch. It reads one batch ahead, and as each step
@@ -58,7 +70,8 @@ class StopSignal:
             # Each step starts the all-reduce that agreed() waits for: 1 where a rank has no next
             # batch, 2 where one could not read it.
             lacking = 2 if error else int(ahead is None)
-            self.flags = torch.tensor([self.signal, lacking])
+            due = self.save_seconds > 0 and time.monotonic() - self.saved_at >= self.save_seconds
+            self.flags = torch.tensor([self.signal, lacking, int(due)])
             if dist.is_initialized():
                 self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
             if step > first_step:

@@ -7,6 +7,7 @@ A script imports it in its stream branch only, as build_datasets imports builtin
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import math
@@ -18,14 +19,15 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .errors import UsageError, first_line
 from .internals import tree_map_only
-from .ranks import all_gather_objects, all_reduce
+from .ranks import all_gather_objects, all_reduce, share
 
 
 class StreamSampler:
     """A stream read as global batches, each of the next size / V samples of V fixed readers (V of
-    its shards where it has them). Each rank gets its share of each global batch (in
-    micro-batches of part samples under accumulation) as lists of samples that a DataLoader
-    worker collates.
+    its shards where it has them). Each rank gets its share of each global batch, a contiguous
+    run of it (in micro_batches of its share of batch_size under accumulation; shares within one
+    sample of each other, as ranks.share gives them), as lists of samples that a DataLoader worker
+    collates.
 
     Each rank reads only the readers its share overlaps. Once one reader has ended (shards of
     different sizes), the rest of every reader, still read by one rank alone, goes to every rank,
@@ -35,19 +37,23 @@ class StreamSampler:
     def __init__(
         self,
         stream: IterableDataset,
-        part: int,
+        batch_size: int,
         rank: int,
         world_size: int,
         train: bool = True,
         micro_batches: int = 1,
     ):
         self.stream = stream
-        self.part = part
+        self.part = share(batch_size, rank, world_size)  # a micro-batch of this rank
         self.rank = rank
         self.train = train
         self.micro_batches = micro_batches
-        self.share = part * micro_batches  # this rank's samples in an optimizer step
-        self.size = self.share * world_size  # a global batch
+        self.share = self.part * micro_batches  # this rank's samples in an optimizer step
+        self.size = batch_size * micro_batches  # a global batch
+        # where each rank's share of a global batch starts (the last: its end)
+        parts = [share(batch_size, r, world_size) * micro_batches for r in range(world_size)]
+        self.starts = [0, *itertools.accumulate(parts)]
+        self.start = self.starts[rank]
         self.epoch = 0
         shards = 1
         if hasattr(stream, "shard"):
@@ -59,6 +65,9 @@ class StreamSampler:
             self.readers = math.gcd(self.size, shards)
         elif shards % world_size == 0:
             self.readers = world_size
+            # each rank its own reader, a share at a time
+            self.size = self.part * world_size
+            self.start = rank * self.part
         else:
             self.readers = 1
         # The ranks learn of a reader that ended, and share the rest, in a group of their own (gloo:
@@ -89,10 +98,10 @@ class StreamSampler:
     def __iter__(self):
         # Each reader's samples in a global batch, and the readers this rank's share overlaps.
         chunk = self.size // self.readers
-        first = self.rank * self.share // chunk
-        end = ceil_div((self.rank + 1) * self.share, chunk)
+        first = self.start // chunk
+        end = ceil_div(self.start + self.share, chunk)
         readers = {index: iter(self.reader(index)) for index in range(first, end)}
-        start = self.rank * self.share - first * chunk
+        start = self.start - first * chunk
         while True:
             chunks = {
                 index: list(itertools.islice(reader, chunk)) for index, reader in readers.items()
@@ -114,12 +123,12 @@ class StreamSampler:
             batch = list(itertools.islice(rest, self.size))
             if len(batch) < self.size:
                 return
-            mine = batch[self.rank * self.share : (self.rank + 1) * self.share]
+            mine = batch[self.start : self.start + self.share]
             yield from self.split_into_micro_batches(mine)
 
-    def split_into_micro_batches(self, share: list):
-        for i in range(0, len(share), self.part):
-            yield share[i : i + self.part]
+    def split_into_micro_batches(self, samples: list):
+        for i in range(0, len(samples), self.part):
+            yield samples[i : i + self.part]
 
     def all_full(self, full: bool) -> bool:
         """Has every rank read a full chunk of each of its readers? (A collective.)"""
@@ -133,8 +142,12 @@ class StreamSampler:
         more, in reader order, its next chunk, in turns. Each reader is read by the first rank that
         reads it, which sends the turn's chunks to all (a collective a turn): each sample is still
         read once."""
-        # The readers this rank sends.
-        mine = {index: c for index, c in chunks.items() if index * chunk // self.share == self.rank}
+        # The readers this rank sends: those whose first sample is in its share.
+        mine = {
+            index: c
+            for index, c in chunks.items()
+            if bisect.bisect_right(self.starts, index * chunk) - 1 == self.rank
+        }
         while True:
             parts = [mine]
             if self.group is not None:
