@@ -652,14 +652,16 @@ def code_lines(path: Path) -> int:
 # Issue 55 (one folder): + 3 for DDP's own flags in each DDP script's parse_args, + 2 for the watchdog told of
 # each training and validation batch in the loop (hidden in batch_to_device before), - 2 where a script no longer
 # rejects the DDP flags; distributed_mp.py's parent main says in a docstring that it holds nothing to close.
+# Issue 57 (any world size): + 3 for the sampler of a batch the ranks do not divide and the split said in the first
+# line; accumulation + 7 (its micro-batch checked, split and weighted by each rank's share).
 SCRIPT_LINES = {
     "dataparallel.py": 165,
-    "distributed.py": 199,
-    "distributed_mp.py": 231,
-    "distributed_amp.py": 213,
-    "distributed_grad_accum.py": 220,
-    "distributed_fsdp.py": 344,
-    "distributed_diloco.py": 199 + 49,
+    "distributed.py": 202,
+    "distributed_mp.py": 234,
+    "distributed_amp.py": 216,
+    "distributed_grad_accum.py": 227,
+    "distributed_fsdp.py": 347,
+    "distributed_diloco.py": 202 + 49,
 }
 
 
@@ -685,14 +687,15 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     """The top level holds the seven scripts and utils/; each module of utils/ one concern (listed in its __init__'s
     docstring), under 600 lines, imported by the others relatively and one way (no cycle); nothing assigns another
     module's names or rebinds a global. The folder holds no more statements than utils.py, stalls.py, streams.py and
-    builtin.py did together (1476)."""
+    builtin.py did together (1476), and what issue 57 added (41: shares of a global batch the ranks do not divide,
+    --save-minutes, the world size said at a continuation and in each record)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
     docstring = ast.get_docstring(ast.parse((ROOT / "utils" / "__init__.py").read_text()))
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
-    assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476
+    assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 41
     imports = {}
     for name, path in modules.items():
         assert len(path.read_text().splitlines()) <= 600, name
