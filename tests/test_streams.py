@@ -378,7 +378,7 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     sized = DataLoader(
         streams.Samples(),
         None,
-        sampler=streams.StreamSampler(yours["SizedBlobStream"](640, 1), 16, 0, 2),
+        sampler=streams.StreamSampler(yours["SizedBlobStream"](640, 1), 32, 0, 2),
     )
     assert (
         batches.steps_per_epoch(sized, args) == 20 and batches.steps_per_epoch(sized, args, 4) == 5
@@ -388,7 +388,7 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
     unsized = DataLoader(
         streams.Samples(),
         None,
-        sampler=streams.StreamSampler(yours["BlobStream"](640, 1), 16, 0, 2),
+        sampler=streams.StreamSampler(yours["BlobStream"](640, 1), 32, 0, 2),
     )
     assert batches.steps_per_epoch(unsized, args) == 15
 
