@@ -35,7 +35,7 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
     str(Path(__file__).resolve().parents[1]),
 ]  # and utils
-from utils import builtin  # noqa: E402
+from utils import images  # noqa: E402
 import textbook  # noqa: E402
 from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
@@ -608,7 +608,7 @@ def image_folder_benchmark(args, gpus: int) -> None:
             root = write_image_folder(Path(tmp) / shape, shape, 4, train, val)
             datasets = {
                 "textbook": textbook.image_folders(root, args.image_size)[0],
-                "ours": builtin.ImageFiles(root / "train", args.image_size, 0, augment=True),
+                "ours": images.ImageFiles(root / "train", args.image_size, 0, augment=True),
             }
             rates[name] = dict.fromkeys(LOADERS, 0.0)
             for _ in range(args.repeats):

@@ -423,8 +423,8 @@ def a_stall_on_the_gpu(tmp: Path) -> None:
 def images_on_the_gpu(tmp: Path) -> None:
     """An image folder trains on cuda with DataLoader workers (uint8 pinned, normalised on the
     GPU); and torchvision's GPU JPEG decoding of a batch, with each image's 224-pixel crop, against
-    builtin.ImageFiles on one CPU core (docs/speed.md, "Image folders")."""
-    from utils import builtin
+    images.ImageFiles on one CPU core (docs/speed.md, "Image folders")."""
+    from utils import images
     import torchvision
     from image_files import write_image_folder
     from torchvision.transforms.v2 import functional as TF
@@ -449,7 +449,7 @@ def images_on_the_gpu(tmp: Path) -> None:
     acc = metrics(out)[-1]["val_acc"]
     check("an image folder trains on cuda with 2 workers", acc >= 0.9, f"val_acc {acc:.3f}")
     shaped = write_image_folder(tmp / "imagenet", "imagenet", 4, 64, 1) / "train"
-    ours = builtin.ImageFiles(shaped, 224, 0, augment=True)
+    ours = images.ImageFiles(shaped, 224, 0, augment=True)
     files = [torchvision.io.read_file(path) for path, _ in ours.samples]
     boxes = [
         ours.random_crop(Image.open(path).size, i)[0] for i, (path, _) in enumerate(ours.samples)
@@ -479,7 +479,7 @@ def images_on_the_gpu(tmp: Path) -> None:
         "GPU JPEG decoding against the workers' CPU decoding, measured",
         gpu > 0 and cpu > 0,
         f"{len(files)} ImageNet-shaped JPEGs, read beforehand: decode_jpeg on cuda with "
-        f"224-pixel crops {gpu:.0f} images/s; builtin.ImageFiles {cpu:.0f} per CPU core, "
+        f"224-pixel crops {gpu:.0f} images/s; images.ImageFiles {cpu:.0f} per CPU core, "
         f"x {cores} cores = {cpu * cores:.0f}",
     )
 

@@ -156,12 +156,13 @@ def test_a_node_that_joins_mid_epoch_trains_on_to_the_straight_run(elastic):
 
 # the tiny job with a global batch of 64: 21 or 22 samples a rank on 3 processes
 THIRDS = [*TINY, "--no-augment", "--batch-size", "64", "--epochs", "2"]
+AUGMENTED = [*TINY, "--batch-size", "64", "--epochs", "2"]
 
 
 @pytest.fixture(scope="module")
 def thirds(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
     """1 process, and 3 processes of distributed.py, distributed_grad_accum.py (2 micro-batches of 32: 10 or 11 a
-    rank) and distributed_fsdp.py, at once."""
+    rank) and distributed_fsdp.py; and 1 and 3 processes of distributed.py with augmentation; at once."""
     base = tmp_path_factory.mktemp("thirds")
     runs = [
         python("distributed.py", *THIRDS, "--output-dir", base / "one"),
@@ -176,6 +177,9 @@ def thirds(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
             base / "accum",
         ),
         torchrun(3, "distributed_fsdp.py", *THIRDS, "--output-dir", base / "fsdp"),
+        # with the default augmentation: each image's crop and flip drawn by its place in the global batch
+        python("distributed.py", *AUGMENTED, "--output-dir", base / "one-augmented"),
+        torchrun(3, "distributed.py", *AUGMENTED, "--output-dir", base / "ddp-augmented"),
     ]
     return base, run_parallel([(cmd, {}) for cmd in runs], timeout=300)
 
@@ -193,6 +197,12 @@ def test_three_processes_train_what_one_does_with_a_batch_they_do_not_divide(
     assert_same_records(steps(base / name), steps(base / "one"), tolerance=1e-5)
     # every validation image counted once
     assert {r["val_images"] for r in steps(base / name) if "val_images" in r} == {207}
+
+
+def test_three_processes_with_the_default_augmentation_train_what_one_does(thirds):
+    base, _ = thirds
+    assert max_weight_difference(base / "ddp-augmented", base / "one-augmented") <= 1e-5
+    assert metrics(base / "one-augmented")[-1]["val_acc"] > 0.9
 
 
 def test_fsdp_trains_on_three_processes(thirds):

@@ -13,7 +13,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-from utils import builtin
+from utils import images
 from utils import errors
 from image_files import photo, write_image_folder
 from processes import (
@@ -65,19 +65,19 @@ def folder(tmp_path_factory) -> Path:
 
 def test_every_format_loads_as_rgb_of_the_size_asked(folder):
     """Greyscale and CMYK JPEGs, PNG and WebP as 3 uint8 channels; the text file left out."""
-    train = builtin.ImageFiles(folder / "train", 24, seed=0, augment=True)
-    val = builtin.ImageFiles(folder / "val", 24, seed=0, augment=False)
+    train = images.ImageFiles(folder / "train", 24, seed=0, augment=True)
+    val = images.ImageFiles(folder / "val", 24, seed=0, augment=False)
     assert (len(train), len(val)) == (603, 81)
     where = {
-        Path(path).name: (images, i)
-        for images in (train, val)
-        for i, (path, _) in enumerate(images.samples)
+        Path(path).name: (split, i)
+        for split in (train, val)
+        for i, (path, _) in enumerate(split.samples)
     }
     for name in ("grey.jpg", "cmyk.jpg", "drawing.png", "photo.webp"):
-        images, i = where[name]
-        pixels, target = images[i]
+        split, i = where[name]
+        pixels, target = split[i]
         assert pixels.shape == (3, 24, 24) and pixels.dtype == torch.uint8, name
-        assert target == images.targets[i]
+        assert target == split.targets[i]
     assert "notes.txt" not in where
     grey = train[where["grey.jpg"][1]][0]
     assert torch.equal(grey[0], grey[1]) and torch.equal(grey[1], grey[2])
@@ -86,13 +86,13 @@ def test_every_format_loads_as_rgb_of_the_size_asked(folder):
 def test_crops_and_flips_come_from_seed_epoch_and_index_alone(folder):
     """The same image, epoch and seed: the same pixels, in whichever process or worker; another
     epoch or seed: other crops."""
-    train = builtin.ImageFiles(folder / "train", 24, seed=0, augment=True)
+    train = images.ImageFiles(folder / "train", 24, seed=0, augment=True)
     first = torch.stack([train[i][0] for i in range(0, 600, 30)])
     train.set_epoch(1)
     second = torch.stack([train[i][0] for i in range(0, 600, 30)])
     train.set_epoch(0)
     again = torch.stack([train[i][0] for i in range(0, 600, 30)])
-    other = builtin.ImageFiles(folder / "train", 24, seed=1, augment=True)
+    other = images.ImageFiles(folder / "train", 24, seed=1, augment=True)
     other_seed = torch.stack([other[i][0] for i in range(0, 600, 30)])
     assert torch.equal(first, again)
     differ = lambda a, b: sum(not torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
@@ -115,7 +115,7 @@ def test_the_crops_follow_torchvisions_recipe(folder):
     """RandomResizedCrop's boxes (scale 0.08 to 1, ratio 3/4 to 4/3), a flip in about half; the
     pixels of a box decoded at reduced size equal torchvision's resized_crop of the whole image
     but for the rounding of its decoding (a mean difference under 3 of 255)."""
-    train = builtin.ImageFiles(folder / "train", 24, seed=0, augment=True)
+    train = images.ImageFiles(folder / "train", 24, seed=0, augment=True)
     flips = 0
     for index in range(600):
         (left, top, right, bottom), flip = train.random_crop((160, 90), index)
@@ -132,16 +132,16 @@ def test_the_crops_follow_torchvisions_recipe(folder):
     for box in [(0, 0, 1600, 1200), (100, 300, 900, 900), (1000, 50, 1300, 450)]:
         left, top, right, bottom = box
         with Image.open(path) as image:
-            ours = builtin.decode_crop(image, box, 64)
+            ours = images.decode_crop(image, box, 64)
             assert image.size != (1600, 1200)  # decoded smaller
         textbook = TF.resized_crop(whole, top, left, bottom - top, right - left, [64, 64])
         assert (ours.float() - textbook.float()).abs().mean() < 3, box
     # validation: Resize(64 * 256 / 224 = 73) makes the photo's 1200 rows 73, CenterCrop(64) keeps
     # 64 of them: a centred square of 64 * 1200 / 73 = 1052.05 of the photo's pixels
-    box = builtin.center_crop((1600, 1200), 64)
+    box = images.center_crop((1600, 1200), 64)
     assert box == pytest.approx((273.97, 73.97, 1326.03, 1126.03), abs=0.01)
     with Image.open(path) as image:
-        ours = builtin.decode_crop(image, box, 64)
+        ours = images.decode_crop(image, box, 64)
     textbook = TF.resized_crop(whole, 74, 274, 1052, 1052, [64, 64])
     assert (ours.float() - textbook.float()).abs().mean() < 3
 

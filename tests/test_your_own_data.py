@@ -687,15 +687,16 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     """The top level holds the seven scripts and utils/; each module of utils/ one concern (listed in its __init__'s
     docstring), under 600 lines, imported by the others relatively and one way (no cycle); nothing assigns another
     module's names or rebinds a global. The folder holds no more statements than utils.py, stalls.py, streams.py and
-    builtin.py did together (1476), and what issue 57 added (41: shares of a global batch the ranks do not divide,
-    --save-minutes, the world size said at a continuation and in each record)."""
+    builtin.py did together (1476), and what issue 57 added (43: shares of a global batch the ranks do not divide,
+    each image's augmentation drawn by its place in it, --save-minutes, the world size said at a continuation and in
+    each record)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
     docstring = ast.get_docstring(ast.parse((ROOT / "utils" / "__init__.py").read_text()))
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
-    assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 41
+    assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 43
     imports = {}
     for name, path in modules.items():
         assert len(path.read_text().splitlines()) <= 600, name

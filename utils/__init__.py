@@ -18,7 +18,8 @@ own utils). In the order a reader of distributed.py meets them:
 - sinks: TensorBoard and Weights & Biases, fed the same records;
 - checkpoints: files written whole, checkpoints read by rank 0 and sent to all, restore;
 - internals: every private name of PyTorch the folder reaches, in one place;
-- builtin: the demo data and models (--dataset, --arch), which a user's own functions replace.
+- builtin: the demo data and models (--dataset, --arch), which a user's own functions replace;
+- images: an image folder with torchvision's recipe, each JPEG decoded no larger than its crop.
 """
 
 import os

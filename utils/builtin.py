@@ -4,7 +4,9 @@ torchvision classifier). A user whose own functions replace those bodies needs n
 images come as uint8 and carry a batch_transform that finishes them a batch at a time on the
 device (batches.batch_to_device calls it): CIFAR's and fake images are cropped, flipped and
 normalised there; an image folder's are cropped and flipped where they are decoded, each JPEG no
-larger than its crop needs, and normalised there. A user's own Dataset never goes through it.
+larger than its crop needs (images.py), and normalised there. A user's own Dataset never goes
+through it. torchvision is imported where a flag needs it (a torchvision model, CIFAR, an image
+folder).
 """
 
 from __future__ import annotations
@@ -12,17 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torchvision
-import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset, TensorDataset
 
 from .errors import UsageError, first_line
@@ -30,8 +28,6 @@ from .ranks import errors_shared_by_all_ranks
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-# what --dataset imagefolder reads: torchvision's ImageFolder's extensions
-IMAGE_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
 FAKE_CLASSES = 10
 FAKE_VAL_FRACTION = 5  # fake validation set = fake_size // 5 images
 
@@ -39,10 +35,13 @@ FAKE_VAL_FRACTION = 5  # fake validation set = fake_size // 5 images
 def datasets(args) -> tuple[Dataset, Dataset, int]:
     """(train, val, classes) for --dataset: uint8 images with a batch_transform for the device."""
     if args.dataset == "imagefolder":
+        # torchvision is imported where a flag needs it: a tiny model on fake data starts sooner
+        from .images import image_folders
+
         train, val = image_folders(Path(args.data_dir), args.image_size, args.seed, args.no_augment)
         # cropped and flipped where they were decoded: normalised on the device
-        for images in (train, val):
-            images.batch_transform = ImageBatchTransform(args.seed, 0, IMAGENET_MEAN, IMAGENET_STD)
+        for split in (train, val):
+            split.batch_transform = ImageBatchTransform(args.seed, 0, IMAGENET_MEAN, IMAGENET_STD)
         return train, val, len(train.classes)
     if args.dataset == "fake":
         train = fake_images(args.fake_size, args.image_size, "train")
@@ -81,125 +80,11 @@ def fake_images(size: int, image_size: int, split: str, seed: int = 0) -> ImageT
     return ImageTensors(images, targets, [str(c) for c in range(FAKE_CLASSES)])
 
 
-def image_folders(
-    root: Path, image_size: int, seed: int, no_augment: bool
-) -> tuple[Dataset, Dataset]:
-    """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*: training with the random-resized crop
-    and flip (the validation crop with --no-augment), validation with the resize and center crop."""
-    train = ImageFiles(root / "train", image_size, seed, augment=not no_augment)
-    val = ImageFiles(root / "val", image_size, seed, augment=False)
-    if train.classes != val.classes:
-        raise UsageError(f"{root}/train and {root}/val have different class folders")
-    return train, val
-
-
-class ImageFiles(torchvision.datasets.ImageFolder):
-    """ROOT/<class>/* as uint8 images of image_size, each decoded no larger than its crop needs.
-    With augment, torchvision's RandomResizedCrop and a flip, drawn from (seed, epoch, index):
-    any number of processes and workers, and a continued run, crop each image alike. Without,
-    Resize(image_size * 256 / 224) and CenterCrop(image_size), as torchvision's classifiers are
-    evaluated. Files whose names are not an image's (.txt) are left out."""
-
-    def __init__(self, root: Path, image_size: int, seed: int, augment: bool):
-        try:
-            super().__init__(str(root), allow_empty=True)
-        except OSError as e:  # a missing folder, or one without class folders
-            raise UsageError(
-                f"images not found under {root} ({first_line(e)}): --dataset imagefolder reads "
-                "DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*"
-            ) from None
-        empty = sorted(set(self.classes) - {self.classes[t] for t in self.targets})
-        if empty:
-            raise UsageError(
-                f"{root / empty[0]} holds no images ({', '.join(IMAGE_EXTENSIONS)}): add some or "
-                "remove the folder"
-            )
-        self.image_size = image_size
-        self.seed = seed
-        self.augment = augment
-        # In shared memory: the DataLoader's workers read what set_epoch writes here.
-        self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch whose crops and flips __getitem__ draws (batches.epoch_loader calls it)."""
-        self.epoch.fill_(epoch)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, target = self.samples[index]
-        flip = False
-        try:
-            with Image.open(path) as image:
-                if self.augment:
-                    box, flip = self.random_crop(image.size, index)
-                else:
-                    box = center_crop(image.size, self.image_size)
-                pixels = decode_crop(image, box, self.image_size)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise UsageError(
-                f"cannot read {path} ({first_line(e)}): remove or replace it"
-            ) from None
-        if flip:
-            pixels = pixels.flip(2)
-        return pixels, target
-
-    def random_crop(self, size: tuple[int, int], index: int) -> tuple[tuple, bool]:
-        """torchvision's RandomResizedCrop box (scale 0.08 to 1, ratio 3/4 to 4/3) and a flip,
-        drawn from (seed, epoch, index) alone."""
-        rng = random.Random(f"{self.seed}/{int(self.epoch)}/{index}")
-        width, height = size
-        for _ in range(10):
-            area = width * height * rng.uniform(0.08, 1.0)
-            ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-            w = round(math.sqrt(area * ratio))
-            h = round(math.sqrt(area / ratio))
-            if 0 < w <= width and 0 < h <= height:
-                top = rng.randint(0, height - h)
-                left = rng.randint(0, width - w)
-                return (left, top, left + w, top + h), rng.random() < 0.5
-        # Ten misses (a very long image): the center, cut to the nearest ratio allowed.
-        w = min(width, round(height * 4 / 3))
-        h = min(height, round(width * 4 / 3))
-        left = (width - w) // 2
-        top = (height - h) // 2
-        return (left, top, left + w, top + h), rng.random() < 0.5
-
-
-def center_crop(size: tuple[int, int], image_size: int) -> tuple[float, float, float, float]:
-    """Resize(image_size * 256 / 224) then CenterCrop(image_size), as a box of the image's own
-    pixels."""
-    width, height = size
-    side = image_size * min(width, height) / int(image_size * 256 / 224)
-    left = (width - side) / 2
-    top = (height - side) / 2
-    return (left, top, left + side, top + side)
-
-
-def decode_crop(image: Image.Image, box: tuple, image_size: int) -> torch.Tensor:
-    """The box of an opened image as uint8 RGB (3, image_size, image_size). A JPEG is decoded at
-    1/2, 1/4 or 1/8 of its size (libjpeg's scaling, through draft()) where the box still has
-    image_size pixels each way; other formats at their own size."""
-    left, top, right, bottom = box
-    width, height = image.size
-    needed = (
-        math.ceil(width * image_size / (right - left)),
-        math.ceil(height * image_size / (bottom - top)),
-    )
-    image.draft("RGB", needed)
-    # The box in the pixels the image is decoded to.
-    x = image.size[0] / width
-    y = image.size[1] / height
-    image = image.crop((round(left * x), round(top * y), round(right * x), round(bottom * y)))
-    # Greyscale, CMYK and palette images as RGB.
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    # torchvision's resize of uint8 tensors: three times as fast as Pillow's here.
-    pixels = TF.pil_to_tensor(image)
-    return TF.resize(pixels, [image_size, image_size], antialias=True)
-
-
 def cifar(args) -> tuple[ImageTensors, ImageTensors]:
     """CIFAR-10 or -100, downloaded by one process per machine while the others wait; all fail
     alike."""
+    import torchvision
+
     cls = (
         torchvision.datasets.CIFAR10 if args.dataset == "cifar10" else torchvision.datasets.CIFAR100
     )
@@ -231,17 +116,15 @@ class ImageBatchTransform:
             rank, world = (
                 (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             )
-            # a stream per (seed, epoch, step)
+            # a stream per (seed, epoch, step); each image's three draws (two shifts, a flip) in
+            # turn, so that an image's draws depend on its place alone, also where the ranks' shares
+            # differ by one
             seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]
             generator = torch.Generator().manual_seed(int(seed))
-            shifts = torch.randint(
-                0, 2 * self.padding + 1, (world * len(images), 2), generator=generator
-            )
-            flips = torch.randint(0, 2, (world * len(images),), generator=generator).bool()
-            shifts, flips = (
-                shifts[rank::world].to(images.device),
-                flips[rank::world].to(images.device),
-            )
+            draws = torch.rand(world * len(images), 3, generator=generator)[rank::world]
+            draws = draws[: len(images)].to(images.device)
+            shifts = (draws[:, :2] * (2 * self.padding + 1)).long()
+            flips = draws[:, 2] < 0.5
             images = random_crop_flip(images, shifts[:, 0], shifts[:, 1], flips, self.padding)
         if self.mean.device != images.device:  # moved once, not every step
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
@@ -282,6 +165,8 @@ def model(arch: str, num_classes: int, image_size: int) -> nn.Module:
             nn.Flatten(),
             nn.Linear(64 * 16, num_classes),
         )
+    import torchvision
+
     if arch not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(
             f"unknown --arch {arch!r}: use tiny or a torchvision classifier such as resnet18,"
@@ -299,6 +184,8 @@ def model(arch: str, num_classes: int, image_size: int) -> nn.Module:
 
 
 def torchvision_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    import torchvision
+
     """No auxiliary heads (googlenet, inception_v3): training uses one output; small images: a
     ResNet 3x3 stem."""
     extra = {"image_size": image_size} if arch.startswith("vit_") else {}
