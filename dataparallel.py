@@ -216,7 +216,7 @@ def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, world_size = 0, 1  # one process
     ranks.setup_logging(rank)
-    # from here SIGTERM and SIGUSR1 finish the step, save and exit; --save-minutes: a save
+    # from here SIGTERM and SIGUSR1 finish the step, save and exit; every --save-minutes, a save
     stop = stops.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank

@@ -67,7 +67,6 @@ class GlobalBatchShares(DistributedSampler):
     ):
         super().__init__(dataset, world_size, rank, shuffle=True, seed=seed)
         self.batch_size = batch_size
-        self.micro_batches = micro_batches
         self.batches = len(dataset) // (batch_size * micro_batches) * micro_batches
         self.num_samples = self.batches * share(batch_size, rank, world_size)
 
