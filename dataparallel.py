@@ -14,7 +14,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks
-from utils import stalls, stops, workers
+from utils import seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,36 +96,40 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         persistent_workers=args.workers > 0,
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
+        # the workers' seeds from (seed, rank): the global random stream stays the model's
+        generator=seeds.loader_generator(args.seed, 0),
     )
+    # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
+    # from its place in it: alike on any number of processes and workers, and when continued
+    train_set = seeds.per_sample(train_set, args.seed)
+    val_set = seeds.per_sample(val_set, args.seed)
     # one process loads the whole batch; DataParallel splits it over the GPUs
     # a stream is read here (utils/streams.py), as the DDP scripts read it at world size 1
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
-        train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1)
-        train_loader = DataLoader(
-            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
-        )
+        train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
+        train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch
     # too)
     else:
         train_sampler = DistributedSampler(
             train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True
         )
-        # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
             args.batch_size,
             sampler=train_sampler,
             drop_last=True,
-            generator=torch.Generator(),
             **common,
         )
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, args.batch_size, 0, 1, train=False)
+        val_sampler = streams.StreamSampler(
+            val_set, args.batch_size, 0, 1, train=False, seed=args.seed
+        )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(val_set, args.batch_size, **common)
@@ -156,6 +160,9 @@ def train_one_epoch(
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
         watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
+        # step), as one process draws its own for each sample
+        seeds.seed_step(args.seed, epoch, step)
         inputs, targets = batches.batch_to_device(
             batch, device, loader.dataset, args.channels_last, key=(epoch, step)
         )
@@ -295,7 +302,6 @@ def main(teardown: ExitStack) -> None:
                         "arch": args.arch,
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
-                        **checkpoints.rng_states(),
                     },
                     checkpoint_path,
                     watchdog,

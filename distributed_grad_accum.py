@@ -18,7 +18,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks
-from utils import stalls, stops, workers
+from utils import seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -176,7 +176,13 @@ def build_loaders(
         persistent_workers=args.workers > 0,
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
+        # the workers' seeds from (seed, rank): the global random stream stays the model's
+        generator=seeds.loader_generator(args.seed, rank),
     )
+    # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
+    # from its place in it: alike on any number of processes and workers, and when continued
+    train_set = seeds.per_sample(train_set, args.seed)
+    val_set = seeds.per_sample(val_set, args.seed)
     # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
@@ -189,10 +195,9 @@ def build_loaders(
             world_size,
             # a step's batch: its readers
             micro_batches=args.accum_steps,
+            seed=args.seed,
         )
-        train_loader = DataLoader(
-            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
-        )
+        train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -206,13 +211,11 @@ def build_loaders(
             train_sampler = batches.GlobalBatchShares(
                 train_set, micro_batch, rank, world_size, args.seed, args.accum_steps
             )
-        # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
             batch_per_rank,
             sampler=train_sampler,
             drop_last=True,
-            generator=torch.Generator(),
             **common,
         )
     # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
@@ -221,7 +224,9 @@ def build_loaders(
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, micro_batch, rank, world_size, train=False)
+        val_sampler = streams.StreamSampler(
+            val_set, micro_batch, rank, world_size, train=False, seed=args.seed
+        )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
@@ -255,6 +260,9 @@ def train_one_epoch(
     # K micro-batches a step (zip drops a remainder, which would make a smaller step); every rank
     # takes the same steps: a stream that ends unevenly stops all after the same one
     for step, micro_batches in stop.steps(zip(*[meter.timed(loader)] * k), first_step, steps):
+        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
+        # step), as one process draws its own for each sample
+        seeds.seed_step(args.seed, epoch, step)
         items = 0  # of a (sum, count) loss: the count of this step's micro-batches so far
         for micro_step, (samples, batch) in enumerate(micro_batches, (step - 1) * k + 1):
             watchdog.batch(epoch, micro_step)  # progress: the watchdog times the steps
@@ -450,7 +458,6 @@ def main(teardown: ExitStack) -> None:
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
                         "world_size": world_size,  # what continues says so
-                        **checkpoints.rng_states(),
                     },
                     checkpoint_path,
                     watchdog,

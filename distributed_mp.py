@@ -27,7 +27,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks
-from utils import stalls, stops, workers
+from utils import seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -159,16 +159,22 @@ def build_loaders(
         persistent_workers=args.workers > 0,
         worker_init_fn=workers.init_worker,
         multiprocessing_context=workers.worker_start(args.workers),
+        # the workers' seeds from (seed, rank): the global random stream stays the model's
+        generator=seeds.loader_generator(args.seed, rank),
     )
+    # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
+    # from its place in it: alike on any number of processes and workers, and when continued
+    train_set = seeds.per_sample(train_set, args.seed)
+    val_set = seeds.per_sample(val_set, args.seed)
     # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
         from utils import streams
 
-        train_sampler = streams.StreamSampler(train_set, args.batch_size, rank, world_size)
-        train_loader = DataLoader(
-            streams.Samples(), None, sampler=train_sampler, generator=torch.Generator(), **common
+        train_sampler = streams.StreamSampler(
+            train_set, args.batch_size, rank, world_size, seed=args.seed
         )
+        train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -182,13 +188,11 @@ def build_loaders(
             train_sampler = batches.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
-        # its own generator for worker seeds: the global random stream stays the model's (dropout)
         train_loader = DataLoader(
             train_set,
             batch_per_rank,
             sampler=train_sampler,
             drop_last=True,
-            generator=torch.Generator(),
             **common,
         )
     # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
@@ -197,7 +201,9 @@ def build_loaders(
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
-        val_sampler = streams.StreamSampler(val_set, args.batch_size, rank, world_size, train=False)
+        val_sampler = streams.StreamSampler(
+            val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
+        )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
@@ -230,6 +236,9 @@ def train_one_epoch(
     # every rank takes the same steps: a stream that ends unevenly stops all after the same one
     for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
         watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
+        # step), as one process draws its own for each sample
+        seeds.seed_step(args.seed, epoch, step)
         inputs, targets = batches.batch_to_device(
             batch, device, loader.dataset, args.channels_last, key=(epoch, step)
         )
@@ -390,7 +399,6 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
                         "optimizer_name": args.optimizer,
                         "seed": args.seed,
                         "world_size": world_size,  # what continues says so
-                        **checkpoints.rng_states(),
                     },
                     checkpoint_path,
                     watchdog,

@@ -58,6 +58,9 @@ class ImageTensors(TensorDataset):
     """A whole image set held as one uint8 tensor (N, 3, H, W), and its labels: CIFAR and fake
     data."""
 
+    # a sample draws nothing: its crop and flip are drawn a batch at a time on the device
+    seeds_itself = True
+
     def __init__(self, images: np.ndarray, targets, classes: list[str]):
         super().__init__(
             torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.as_tensor(targets)

@@ -1,6 +1,6 @@
 """Files written whole: checkpoints (atomically, a tensor at a time, loaded with weights_only=True),
-read by rank 0 and sent to every rank (load_checkpoint_everywhere), restored with the random
-streams (restore); metrics.jsonl's lines; a Hugging Face model's save_pretrained.
+read by rank 0 and sent to every rank (load_checkpoint_everywhere), restored (restore);
+metrics.jsonl's lines; a Hugging Face model's save_pretrained.
 """
 
 from __future__ import annotations
@@ -108,18 +108,10 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def rng_states() -> dict:
-    """The global random streams (dropout's; alike on all ranks): a continued run draws what a
-    straight one would."""
-    states = {"rng": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda_rng"] = torch.cuda.get_rng_state()
-    return states
-
-
 def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
-    """Load stateful (model, optimizer, scheduler, scaler) and the random streams, and say so;
-    returns the epochs done and the steps done in the next."""
+    """Load stateful (model, optimizer, scheduler, scaler), and say so; returns the epochs done and
+    the steps done in the next. The random streams need no state: each step's come from where it
+    is (seeds.seed_step)."""
     written_with = (
         ("--arch", state.get("arch"), args.arch),
         ("--optimizer", state.get("optimizer_name"), args.optimizer),
@@ -132,9 +124,6 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     try:
         for name, obj in stateful.items():
             obj.load_state_dict(state[name])
-        torch.set_rng_state(state.get("rng", torch.get_rng_state()))
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"])
     except (RuntimeError, KeyError, ValueError) as e:
         message = f"{path} does not fit this model or these flags ({first_line(e)})"
         raise UsageError(f"{message}: use another --output-dir") from None
@@ -149,6 +138,12 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
         where = f"on {world_size()} processes"
     if "world_size" in state:
         where += f", written on {state['world_size']}"
+    # The data and its augmentation are the straight run's; dropout is drawn per rank.
+    if state.get("world_size", world_size()) != world_size():
+        done += (
+            f"; randomness inside the model (dropout) is drawn by {world_size()} ranks from here,"
+            f" not {state['world_size']}"
+        )
     log.info(f"continuing from {path} {where}: {done}")
     return epoch, step
 

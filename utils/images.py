@@ -41,6 +41,9 @@ class ImageFiles(torchvision.datasets.ImageFolder):
     Resize(image_size * 256 / 224) and CenterCrop(image_size), as torchvision's classifiers are
     evaluated. Files whose names are not an image's (.txt) are left out."""
 
+    # its crop and flip come from its own stream of (seed, epoch, index): seeds.per_sample leaves it
+    seeds_itself = True
+
     def __init__(self, root: Path, image_size: int, seed: int, augment: bool):
         try:
             super().__init__(str(root), allow_empty=True)

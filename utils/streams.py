@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, IterableDataset
 from .errors import UsageError, first_line
 from .internals import tree_map_only
 from .ranks import all_gather_objects, all_reduce, share
+from .seeds import sample_streams
 
 
 class StreamSampler:
@@ -42,8 +43,10 @@ class StreamSampler:
         world_size: int,
         train: bool = True,
         micro_batches: int = 1,
+        seed: int = 0,
     ):
         self.stream = stream
+        self.seed = seed
         self.part = share(batch_size, rank, world_size)  # a micro-batch of this rank
         self.rank = rank
         self.train = train
@@ -87,13 +90,17 @@ class StreamSampler:
         return ceil_div(len(self.stream), self.size)
 
     def reader(self, index: int):
-        """The stream's index-th part of self.readers, at this epoch."""
+        """The stream's index-th part of self.readers, at this epoch; each sample's random streams
+        (the stream's map, which runs as it yields) seeded from (seed, epoch, index, the sample's
+        count in it), places that do not depend on the number of processes."""
         reader = self.stream
         if self.readers > 1:
             reader = self.stream.shard(self.readers, index)
         if hasattr(reader, "set_epoch"):
             reader.set_epoch(self.epoch)
-        return reader
+        if getattr(self.stream, "seeds_itself", False):
+            return reader
+        return sample_streams(reader, self.seed, "stream", self.epoch, index)
 
     def __iter__(self):
         # Each reader's samples in a global batch, and the readers this rank's share overlaps.
