@@ -76,7 +76,7 @@ def compute_loss(outputs, targets):
         os.kill(os.getpid(), signal.SIGTERM)
     if PROBE:  # the same input, in training mode, on every rank: what its dropout makes of it
         with torch.no_grad(), open(os.path.join(PROBE, f"probe-{os.environ.get('RANK', '0')}.txt"), "a") as f:
-            f.write(f"{MODEL[0](torch.ones(1, 3, 8, 8)).tolist()}\\n")
+            f.write(f"{MODEL[0].training} {MODEL[0](torch.ones(1, 3, 8, 8)).tolist()}\\n")
     return F.cross_entropy(outputs, targets)
 
 
@@ -156,21 +156,33 @@ def test_random_transforms_train_on_2_processes_with_workers_what_1_trains(tmp_p
     assert max_weight_difference(tmp_path / "one", tmp_path / "other seed") > 1e-3
 
 
-def test_dropout_draws_its_own_masks_on_every_rank(tmp_path):
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("distributed.py", []),
+        ("distributed_grad_accum.py", ["--accum-steps", "2"]),
+        ("distributed_fsdp.py", []),
+        ("distributed_diloco.py", ["--inner-steps", "4"]),
+    ],
+)
+def test_dropout_draws_its_own_masks_on_every_rank(script, flags, tmp_path):
     """A model with dropout: the same input gives other training-mode outputs on rank 0 and rank 1
-    at every step (the scripts once seeded every rank alike); the weights start equal on both."""
+    at every step (the scripts once seeded every rank alike), and the same in eval mode."""
     probe = tmp_path / "probe"
     probe.mkdir()
-    script = copy_with_your_functions("distributed.py", tmp_path / "copy", your_code(0.5, probe))
+    copy = copy_with_your_functions(script, tmp_path / "copy", your_code(0.5, probe))
     out = tmp_path / "out"
-    run(launch(script, 2, *FLAGS, "--epochs", "1", "--workers", "0", "--output-dir", out))
-    outputs = [(probe / f"probe-{r}.txt").read_text().splitlines() for r in (0, 1)]
-    # the first line is the start-up step's, taken and undone before training
-    assert len(outputs[0]) == len(outputs[1]) == 1 + 20 + 7  # + 7 validation batches (eval mode)
-    training = [lines[1:21] for lines in outputs]
-    assert all(a != b for a, b in zip(*training)), training
+    run(launch(copy, 2, *FLAGS, *flags, "--epochs", "1", "--workers", "0", "--output-dir", out))
+    lines = [(probe / f"probe-{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert len(lines[0]) == len(lines[1])
+    # the start-up step, taken and undone before training: the same weights and streams on both
+    assert lines[0][0] == lines[1][0]
+    pairs = list(zip(*lines))[1:]
+    training = [(a, b) for a, b in pairs if a.startswith("True")]
+    assert len(training) >= 20 and all(a != b for a, b in training), training
     # validation, in eval mode: no dropout, the same outputs on both ranks
-    assert outputs[0][21:] == outputs[1][21:]
+    evaluation = [(a, b) for a, b in pairs if a.startswith("False")]
+    assert len(evaluation) >= 4 and all(a == b for a, b in evaluation), evaluation
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])

@@ -128,7 +128,13 @@ def build_parser(description: str) -> ArgumentParser:
         default=None,
         help="DataLoader workers per process (default: spare cores per GPU)",
     )
-    add("--seed", type=int, default=0, help="seed for init, data order and augmentation")
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for init, data order, each sample's random transforms (from seed, epoch, index)"
+        " and each rank's dropout (from seed, rank, step)",
+    )
     add(
         "--print-freq",
         type=int,
