@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import processes
 from processes import (
     EVAL_EVERY,
     LONG,
@@ -21,6 +22,13 @@ from processes import (
 )
 
 sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: its scripts start warm (tests/warm_ranks.py), unless it is marked
+    real_launch (a test of the launch itself: torchrun, its agent, a README command)."""
+    processes.WARM = processes.WARM_BY_DEFAULT and item.get_closest_marker("real_launch") is None
 
 
 @pytest.fixture(autouse=True)

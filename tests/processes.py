@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -96,6 +98,9 @@ def processes_with_marker(marker: str) -> list[int]:
 
 
 def kill_everything_started_by(marker: str) -> None:
+    warm = WARM_RUNS.pop(marker, None)
+    if warm is not None:
+        warm.kill()
     for _ in range(10):
         pids = processes_with_marker(marker)
         if not pids:
@@ -110,13 +115,27 @@ def kill_everything_started_by(marker: str) -> None:
 STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
 
 
+# `python SCRIPT` and torchrun's `--standalone` start warm (tests/warm_ranks.py) unless a test asks
+# for the real launch (warm=False) or DDP_TESTS_COLD is set
+WARM_BY_DEFAULT = not os.environ.get("DDP_TESTS_COLD")
+WARM = WARM_BY_DEFAULT
+WARM_RUNS: dict[str, warm_ranks.WarmRun] = {}
+
+
 def start(
-    cmd: list[str], env: dict | None = None, cwd: Path = ROOT
-) -> tuple[subprocess.Popen, str]:
-    """Start cmd (in the repository root unless told); returns the process and its kill marker."""
+    cmd: list[str], env: dict | None = None, cwd: Path = ROOT, warm: bool = True
+) -> tuple[subprocess.Popen | warm_ranks.WarmRun, str]:
+    """Start cmd (in the repository root unless told); returns the process and its kill marker.
+    A script started with `python` or torchrun's `--standalone` is forked from a process that has
+    imported torch (warm_ranks), unless warm is False: a test of the launch itself."""
     marker = uuid.uuid4().hex
     STARTED.append(marker)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
+    if warm and WARM:
+        proc = warm_ranks.start(cmd, full_env, cwd, free_port())
+        if proc is not None:
+            WARM_RUNS[marker] = proc
+            return proc, marker
     proc = subprocess.Popen(
         [str(c) for c in cmd],
         cwd=cwd,
@@ -144,9 +163,14 @@ def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.Co
 
 
 def run(
-    cmd: list, timeout: float = 180, env: dict | None = None, check: bool = True, cwd: Path = ROOT
+    cmd: list,
+    timeout: float = 180,
+    env: dict | None = None,
+    check: bool = True,
+    cwd: Path = ROOT,
+    warm: bool = True,
 ) -> subprocess.CompletedProcess:
-    result = finish(*start(cmd, env, cwd), timeout)
+    result = finish(*start(cmd, env, cwd, warm), timeout)
     if check and result.returncode != 0:
         raise RunFailed(
             f"{' '.join(result.args)} exited {result.returncode}\n"
@@ -156,7 +180,12 @@ def run(
 
 
 def run_parallel(
-    cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT, check: bool = True, at_once: int = 0
+    cmds: list[tuple],
+    timeout: float = 180,
+    cwd: Path = ROOT,
+    check: bool = True,
+    at_once: int = 0,
+    warm: bool = True,
 ) -> list[subprocess.CompletedProcess]:
     """Start several commands (each with its environment, and its own folder where a third item names one) at once,
     or at_once of them at a time (memory: each run's processes and workers hold a few hundred MB): the nodes of one
@@ -166,7 +195,7 @@ def run_parallel(
         [cmds[i : i + at_once] for i in range(0, len(cmds), at_once)] if at_once else [cmds],
     )
     for wave in waves:
-        started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in wave]
+        started = [start(cmd, env, *folder or [cwd], warm=warm) for cmd, env, *folder in wave]
         results += [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
         if check and r.returncode != 0:

@@ -141,6 +141,7 @@ def compute_loss(outputs, targets):
 """
 
 
+@pytest.mark.real_launch  # the launch itself
 def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
     """The README's main job, run in a folder that holds only distributed.py and utils/, learns; so does
     distributed_fsdp.py with utils/ alone (the tiny job), and distributed.py given a stream. utils/ copied as
@@ -350,6 +351,7 @@ def launch_commands(mode: str, out, tmp_path) -> list[tuple[list, dict]]:
     raise ValueError(mode)
 
 
+@pytest.mark.real_launch  # the launch itself
 @pytest.mark.parametrize("mode", ["torch.distributed.launch", "ip-port", "file-url", "slurm"])
 def test_every_launch_mode_trains_the_same_model(mode, tmp_path, reference):
     out = tmp_path / "out"

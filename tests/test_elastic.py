@@ -32,6 +32,9 @@ from processes import (
     wait_for,
 )
 
+# the launch itself is under test: every script starts as users start it
+pytestmark = pytest.mark.real_launch
+
 # 150 steps an epoch of the tiny job, no augmentation: the same model on any number of processes
 ELASTIC = [*TINY, "--no-augment", "--fake-size", "6000", "--epochs", "2", "--print-freq", "8"]
 # every agent, as docs/launching.md starts them: workers' store made anew each round (else a joining agent waits for

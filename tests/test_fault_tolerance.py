@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 
 from processes import (
     LONG,
@@ -28,6 +29,9 @@ from processes import (
     wait_for,
 )
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions
+
+# the launch itself is under test: every script starts as users start it
+pytestmark = pytest.mark.real_launch
 
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
 SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]

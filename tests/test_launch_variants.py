@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from processes import (
     EVAL_EVERY,
     TINY,
@@ -16,6 +18,9 @@ from processes import (
     run_parallel,
     steps,
 )
+
+# the launch itself is under test: every script starts as users start it
+pytestmark = pytest.mark.real_launch
 
 
 def test_dataparallel_equals_single_process_ddp(tmp_path, reference):

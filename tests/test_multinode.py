@@ -16,6 +16,9 @@ from processes import (
     two_hosts,
 )
 
+# the launch itself is under test: every script starts as users start it
+pytestmark = pytest.mark.real_launch
+
 
 @pytest.fixture(name="two_hosts")
 def two_hosts_fixture():

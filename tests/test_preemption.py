@@ -87,6 +87,7 @@ def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path
     )  # none twice, none missing
 
 
+@pytest.mark.real_launch  # the launch itself
 def test_sigterm_to_torchrun_reaches_the_data_loader_workers_and_still_saves_where_every_rank_stopped(
     tmp_path, long_straight
 ):

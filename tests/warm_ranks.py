@@ -1,0 +1,382 @@
+"""Ranks started warm: a script run as `python SCRIPT ...`, or as N ranks the way torchrun starts
+them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ... set), in processes forked from a server that
+has imported torch once, instead of N fresh interpreters that import it each (about 2 s of CPU a
+process, most of what a test's tiny run costs). The scripts run unchanged, as __main__ with their
+argv, environment, folder and working directory, their output in pipes, each killable as a process
+(SIGTERM, SIGUSR1, SIGKILL). tests/processes.py starts every such command so, except where a test is
+about the launch itself (real torchrun, its agent, elastic runs) or the command's interpreter
+would start otherwise (PYTHONPATH and the like): those start as they always did.
+
+The server (this file run as a program) imports torch and the libraries the scripts import, then
+waits on a Unix socket; for each request it forks, and the child becomes the script's process: its
+own session, the request's pipes as stdin, stdout and stderr. The server stays one thread, so a
+fork never copies a lock another thread holds, and reports each child's exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+# What the server's interpreter settles at its start, and the scripts' own folder sets before torch
+# loads: a run that asks for other values is started the ordinary way.
+STARTUP = (
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "PYTHONSTARTUP",
+    "PYTHONOPTIMIZE",
+    "PYTHONDEVMODE",
+    "PYTHONSAFEPATH",
+    "LD_PRELOAD",
+    "TORCH_CPP_LOG_LEVEL",
+    "CUDA_VISIBLE_DEVICES",
+    "PROCLOG",
+)
+SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
+
+
+# ---- the server ----
+
+
+def preload() -> None:
+    """What the scripts import, imported once (torchvision too: the built-in models, an image
+    folder)."""
+    import numpy  # noqa: F401
+    import PIL.Image  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.nn.functional  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.utils.data  # noqa: F401
+    import torchvision  # noqa: F401
+    import torchvision.transforms.v2  # noqa: F401
+
+
+def serve(fd: int) -> None:
+    """Fork a child for each request on the socket; report each child's end. Ends with the
+    client."""
+    server = socket.socket(fileno=fd)
+    preload()
+    assert threading.active_count() == 1, "a thread in the server would be copied mid-lock"
+    selector = selectors.DefaultSelector()
+    selector.register(server, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is not server:
+                # a child ended: its pidfd is readable
+                pid = key.data
+                _, status = os.waitpid(pid, 0)
+                selector.unregister(key.fileobj)
+                os.close(key.fileobj)
+                server.send(pickle.dumps(("ended", pid, os.waitstatus_to_exitcode(status))))
+                continue
+            message, fds, _, _ = socket.recv_fds(server, 1 << 20, 3)
+            if not message:
+                return  # the client is gone
+            request = pickle.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                server.close()
+                become(request, fds)  # never returns
+            for descriptor in fds:
+                os.close(descriptor)
+            selector.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+            server.send(pickle.dumps(("started", request["id"], pid)))
+
+
+def become(request: dict, fds: list[int]) -> None:
+    """In the forked child: become `python SCRIPT ARGS` in its folder and environment, and exit as
+    that process would."""
+    import builtins
+    import io
+    import random
+    import types
+
+    os.setsid()  # a session of its own, as the tests start every command
+    for target, descriptor in zip((0, 1, 2), fds):
+        os.dup2(descriptor, target)
+        os.close(descriptor)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # Unbuffered, as PYTHONUNBUFFERED makes a fresh interpreter's.
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), write_through=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
+    # Each child its own random streams, as a fresh interpreter draws them (torch's default seed is
+    # fixed and still untouched).
+    random.seed()
+    sys.modules["numpy"].random.seed()
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = [request["argv"][0], *request["argv"][1:]]
+    sys.path[0] = os.path.dirname(script)
+    main = types.ModuleType("__main__")
+    main.__file__ = script
+    main.__builtins__ = builtins
+    main.__spec__ = None
+    sys.modules["__main__"] = main
+    with open(script, "rb") as f:
+        code = compile(f.read(), script, "exec")
+    try:
+        exec(code, main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # The traceback as `python SCRIPT` prints it: from the script's frame on.
+        sys.excepthook(type(e), e, e.__traceback__.tb_next)
+        sys.exit(1)
+    sys.exit(0)
+
+
+# ---- the client: one server per test process ----
+
+
+class Server:
+    """The server process and its socket; started at the first warm command."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = {**os.environ, **SERVER_ENV}
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        theirs.close()
+        self.socket = ours
+        self.ended: dict[int, int] = {}
+        self.started: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def fits(self, env: dict) -> bool:
+        """Would a fresh interpreter with env start as the server did?"""
+        return all(env.get(name) == self.env.get(name) for name in STARTUP)
+
+    def start(self, argv: list[str], env: dict, cwd: str, stdout: int, stderr: int) -> int:
+        """The pid of a child running argv, writing to stdout and stderr (descriptors)."""
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        request = {"id": uuid.uuid4().hex, "argv": argv, "env": env, "cwd": str(cwd)}
+        with self.lock:
+            socket.send_fds(self.socket, [pickle.dumps(request)], [stdin, stdout, stderr])
+        os.close(stdin)
+        deadline = time.monotonic() + 60
+        while request["id"] not in self.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the warm-start server did not start a process in 60 s")
+            self.receive(timeout=1)
+        return self.started.pop(request["id"])
+
+    def receive(self, timeout: float) -> None:
+        """Take the server's messages: the first within timeout, then those already there."""
+        with self.lock:
+            while True:
+                self.socket.settimeout(timeout)
+                try:
+                    message = self.socket.recv(1 << 16)
+                except (TimeoutError, BlockingIOError):
+                    return
+                finally:
+                    self.socket.settimeout(None)
+                if not message:
+                    raise RuntimeError("the warm-start server ended")
+                kind, key, value = pickle.loads(message)
+                if kind == "started":
+                    self.started[key] = value
+                else:
+                    self.ended[key] = value
+                timeout = 0
+
+    def exit_code(self, pid: int) -> int | None:
+        self.receive(timeout=0)
+        return self.ended.get(pid)
+
+
+SERVER: Server | None = None
+
+
+def server() -> Server:
+    global SERVER
+    if SERVER is None or SERVER.process.poll() is not None:
+        SERVER = Server()
+    return SERVER
+
+
+class WarmRun:
+    """What subprocess.Popen gives, for ranks started warm: one process (`python SCRIPT`), or N
+    ranks as torchrun starts them, whose exit code is torchrun's (0, or 1 where a rank failed;
+    the others then get SIGTERM, and SIGKILL 30 s later, as torchrun's agent does)."""
+
+    GRACE = 30
+
+    def __init__(self, args: list, pids: list[int], outputs: list[int], torchrun: bool):
+        self.args = args
+        self.pids = pids
+        self.pid = pids[0]
+        self.torchrun = torchrun
+        self.returncode = None
+        self.codes: dict[int, int] = {}
+        self.outputs = outputs  # read ends: stdout, stderr
+        self.chunks: dict[int, list[bytes]] = {fd: [] for fd in outputs}
+        self.open = set(outputs)
+        self.stopping_since = None
+
+    def poll(self) -> int | None:
+        warm = server()
+        for pid in self.pids:
+            if pid not in self.codes:
+                code = warm.exit_code(pid)
+                if code is not None:
+                    self.codes[pid] = code
+        if self.torchrun and any(self.codes.values()) and len(self.codes) < len(self.pids):
+            if self.stopping_since is None:
+                self.stopping_since = time.monotonic()
+                self.send_signal(signal.SIGTERM)
+            elif time.monotonic() - self.stopping_since > self.GRACE:
+                self.kill()
+        if len(self.codes) == len(self.pids):
+            codes = [self.codes[pid] for pid in self.pids]
+            self.returncode = codes[0]
+            if self.torchrun:
+                self.returncode = int(any(codes))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            server().receive(timeout=0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Everything the ranks wrote, once they ended and their pipes closed; on a timeout, the
+        next call goes on (as Popen's)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        selector = selectors.DefaultSelector()
+        for fd in self.open:
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while self.open or self.poll() is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(timeout=0.05):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        self.chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+                        self.open.discard(key.fd)
+                        os.close(key.fd)
+                if not self.open:
+                    self.wait(None if deadline is None else max(0, deadline - time.monotonic()))
+        finally:
+            selector.close()
+        out, err = (b"".join(self.chunks[fd]).decode(errors="replace") for fd in self.outputs)
+        return out, err
+
+    def send_signal(self, signum: int) -> None:
+        for pid in self.pids:
+            if pid not in self.codes:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to each live rank's session: the rank and whatever it forked."""
+        self.poll()
+        for pid in self.pids:
+            if pid in self.codes:
+                continue
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def command_to_start(cmd: list) -> tuple[int, list[str]] | None:
+    """(ranks, [script, *args]) for `python SCRIPT ARGS` or torchrun's `--standalone
+    --nproc_per_node=N SCRIPT ARGS`; None for any other command."""
+    cmd = [str(c) for c in cmd]
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    if cmd[1].endswith(".py"):
+        return 1, cmd[1:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if cmd[:4] == torchrun and len(cmd) > 5 and cmd[4].startswith("--nproc_per_node="):
+        if cmd[5].endswith(".py"):
+            return int(cmd[4].split("=")[1]), cmd[5:]
+    return None
+
+
+def start(cmd: list, env: dict, cwd, port: int) -> WarmRun | None:
+    """cmd started warm (port: the rendezvous of torchrun's ranks), or None where it cannot be.
+    The ranks share one stdout and one stderr, as torchrun's workers share the agent's."""
+    launch = command_to_start(cmd)
+    if launch is None or not server().fits(env):
+        return None
+    ranks, argv = launch
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    torchrun = "torch.distributed.run" in [str(c) for c in cmd]
+    envs = [env]
+    if torchrun:
+        envs = torchrun_env(env, ranks, port)
+    try:
+        pids = [server().start(argv, e, cwd, out_write, err_write) for e in envs]
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    return WarmRun(cmd, pids, [out_read, err_read], torchrun)
+
+
+def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
+    """What torchrun's agent sets for each worker on one node; rank 0 holds the store."""
+    run_id = uuid.uuid4().hex
+    envs = []
+    for rank in range(ranks):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "ROLE_WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+        }
+        if ranks > 1:
+            rank_env.setdefault("OMP_NUM_THREADS", "1")
+        envs.append(rank_env)
+    return envs
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
