@@ -9,6 +9,8 @@ own utils). In the order a reader of distributed.py meets them:
   errors_shared_by_all_ranks;
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
+- seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
+  dropout from (seed, rank, epoch, step), never from which rank or worker draws;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
 - batches: any batch of any task: counted, moved to the device, forwarded, its loss;
 - checks: one line before training for what would fail (the start-up step);
