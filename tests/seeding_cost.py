@@ -7,6 +7,7 @@ torch stream kept aside and given back).
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 import timeit
@@ -46,6 +47,7 @@ class Jpegs(torch.utils.data.Dataset):
             return self.transform(image.convert("RGB"))
 
 
+argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 n = 20000
 for name, d in [
     ("plain index", Plain()),

@@ -101,6 +101,8 @@ def assert_tensorboard_equals_the_records(output_dir) -> None:
         ), tag
 
 
+# torchrun's word on a killed worker is part of what it checks
+@pytest.mark.real_launch
 def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path):
     """2 processes with dropout, killed by SIGKILL between two --save-every checkpoints, or 2 steps after one, and
     continued by the same command: the records after the checkpoint are written again, once; the first record after

@@ -42,6 +42,8 @@ STARTUP = (
     "PROCLOG",
 )
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
+# torch's CPU threads in the server, as its environment set them
+DEFAULT_THREADS: list[int] = []
 
 
 # ---- the server ----
@@ -68,6 +70,7 @@ def serve(fd: int) -> None:
     client."""
     server = socket.socket(fileno=fd)
     preload()
+    DEFAULT_THREADS.append(sys.modules["torch"].get_num_threads())
     assert threading.active_count() == 1, "a thread in the server would be copied mid-lock"
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -123,6 +126,11 @@ def become(request: dict, fds: list[int]) -> None:
     # fixed and still untouched).
     random.seed()
     sys.modules["numpy"].random.seed()
+    # The CPU threads a fresh interpreter takes from OMP_NUM_THREADS at its start (torchrun sets 1
+    # for each of several workers); without it, the server's own, one a core.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch = sys.modules["torch"]
+    torch.set_num_threads(int(threads) if threads else DEFAULT_THREADS[0])
     script = os.path.abspath(request["argv"][0])
     sys.argv = [request["argv"][0], *request["argv"][1:]]
     sys.path[0] = os.path.dirname(script)
