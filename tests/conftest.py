@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from processes import (
 )
 
 sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
+
+
+def pytest_configure(config):
+    processes.WARM_BY_DEFAULT = not os.environ.get("DDP_TESTS_COLD")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -115,10 +115,12 @@ def kill_everything_started_by(marker: str) -> None:
 STARTED: list[str] = []  # markers of this test's processes, all killed when it ends
 
 
-# `python SCRIPT` and torchrun's `--standalone` start warm (tests/warm_ranks.py) unless a test asks
-# for the real launch (warm=False) or DDP_TESTS_COLD is set
-WARM_BY_DEFAULT = not os.environ.get("DDP_TESTS_COLD")
-WARM = WARM_BY_DEFAULT
+# Under pytest (conftest.py), `python SCRIPT` and torchrun's `--standalone` start warm
+# (tests/warm_ranks.py) unless a test asks for the real launch (warm=False, real_launch) or
+# DDP_TESTS_COLD is set; the tools run by hand (the benchmark: its speed and memory are a user's
+# launch) start every command the real way.
+WARM_BY_DEFAULT = False
+WARM = False
 WARM_RUNS: dict[str, warm_ranks.WarmRun] = {}
 
 
