@@ -147,7 +147,8 @@ def become(request: dict, fds: list[int]) -> None:
         raise
     except BaseException as e:
         # The traceback as `python SCRIPT` prints it: from the script's frame on.
-        sys.excepthook(type(e), e, e.__traceback__.tb_next)
+        e.with_traceback(e.__traceback__.tb_next)
+        sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
     sys.exit(0)
 
