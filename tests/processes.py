@@ -116,24 +116,23 @@ STARTED: list[str] = []  # markers of this test's processes, all killed when it 
 
 
 # Under pytest (conftest.py), `python SCRIPT` and torchrun's `--standalone` start warm
-# (tests/warm_ranks.py) unless a test asks for the real launch (warm=False, real_launch) or
-# DDP_TESTS_COLD is set; the tools run by hand (the benchmark: its speed and memory are a user's
-# launch) start every command the real way.
+# (tests/warm_ranks.py) unless a test is marked real_launch or DDP_TESTS_COLD is set; the tools run
+# by hand (the benchmark: its speed and memory are a user's launch) start every command the real way.
 WARM_BY_DEFAULT = False
 WARM = False
 WARM_RUNS: dict[str, warm_ranks.WarmRun] = {}
 
 
 def start(
-    cmd: list[str], env: dict | None = None, cwd: Path = ROOT, warm: bool = True
+    cmd: list[str], env: dict | None = None, cwd: Path = ROOT
 ) -> tuple[subprocess.Popen | warm_ranks.WarmRun, str]:
     """Start cmd (in the repository root unless told); returns the process and its kill marker.
     A script started with `python` or torchrun's `--standalone` is forked from a process that has
-    imported torch (warm_ranks), unless warm is False: a test of the launch itself."""
+    imported torch (warm_ranks), unless WARM is off: a test of the launch itself."""
     marker = uuid.uuid4().hex
     STARTED.append(marker)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", MARKER: marker, **(env or {})}
-    if warm and WARM:
+    if WARM:
         proc = warm_ranks.start(cmd, full_env, cwd, free_port())
         if proc is not None:
             WARM_RUNS[marker] = proc
@@ -165,14 +164,9 @@ def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.Co
 
 
 def run(
-    cmd: list,
-    timeout: float = 180,
-    env: dict | None = None,
-    check: bool = True,
-    cwd: Path = ROOT,
-    warm: bool = True,
+    cmd: list, timeout: float = 180, env: dict | None = None, check: bool = True, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
-    result = finish(*start(cmd, env, cwd, warm), timeout)
+    result = finish(*start(cmd, env, cwd), timeout)
     if check and result.returncode != 0:
         raise RunFailed(
             f"{' '.join(result.args)} exited {result.returncode}\n"
@@ -182,12 +176,7 @@ def run(
 
 
 def run_parallel(
-    cmds: list[tuple],
-    timeout: float = 180,
-    cwd: Path = ROOT,
-    check: bool = True,
-    at_once: int = 0,
-    warm: bool = True,
+    cmds: list[tuple], timeout: float = 180, cwd: Path = ROOT, check: bool = True, at_once: int = 0
 ) -> list[subprocess.CompletedProcess]:
     """Start several commands (each with its environment, and its own folder where a third item names one) at once,
     or at_once of them at a time (memory: each run's processes and workers hold a few hundred MB): the nodes of one
@@ -197,7 +186,7 @@ def run_parallel(
         [cmds[i : i + at_once] for i in range(0, len(cmds), at_once)] if at_once else [cmds],
     )
     for wave in waves:
-        started = [start(cmd, env, *folder or [cwd], warm=warm) for cmd, env, *folder in wave]
+        started = [start(cmd, env, *folder or [cwd]) for cmd, env, *folder in wave]
         results += [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
         if check and r.returncode != 0:

@@ -223,7 +223,10 @@ def test_a_stopped_run_with_dropout_and_random_transforms_continues_exactly(work
     assert difference == 0
     assert_same_records(steps(stopped), steps(straight), tolerance=0)
     said = continued[1].stdout
-    assert "randomness inside the model (dropout) is drawn by 1 ranks from here, not 2" in said
+    assert (
+        "randomness inside the model (dropout) is drawn per rank from here (1 of them, 2 before)"
+        in said
+    )
     # it trains on: as the straight run ends, within what other dropout masks make of 203 images
     accuracies = [metrics(out)[-1]["val_acc"] for out in (on_one, straight)]
     print(

@@ -141,8 +141,8 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     # The data and its augmentation are the straight run's; dropout is drawn per rank.
     if state.get("world_size", world_size()) != world_size():
         done += (
-            f"; randomness inside the model (dropout) is drawn by {world_size()} ranks from here,"
-            f" not {state['world_size']}"
+            "; randomness inside the model (dropout) is drawn per rank from here"
+            f" ({world_size()} of them, {state['world_size']} before)"
         )
     log.info(f"continuing from {path} {where}: {done}")
     return epoch, step
