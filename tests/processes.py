@@ -117,9 +117,10 @@ STARTED: list[str] = []  # markers of this test's processes, all killed when it 
 
 # Under pytest (conftest.py), `python SCRIPT` and torchrun's `--standalone` start warm
 # (tests/warm_ranks.py) unless a test is marked real_launch or DDP_TESTS_COLD is set; the tools run
-# by hand (the benchmark: its speed and memory are a user's launch) start every command the real way.
-WARM_BY_DEFAULT = False
-WARM = False
+# by hand (the benchmark: its speed and memory are a user's launch) start every command the real way,
+# unless DDP_TESTS_WARM=1 (a test that checks a tool's output, not its speed).
+WARM_BY_DEFAULT = os.environ.get("DDP_TESTS_WARM") == "1"
+WARM = WARM_BY_DEFAULT
 WARM_RUNS: dict[str, warm_ranks.WarmRun] = {}
 
 
@@ -157,7 +158,9 @@ def finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.Co
     except subprocess.TimeoutExpired:
         kill_everything_started_by(marker)
         out, err = proc.communicate()
-        raise RunFailed(f"{' '.join(proc.args)} timed out after {timeout} s\n{out}\n{err}")
+        raise RunFailed(
+            f"{' '.join(map(str, proc.args))} timed out after {timeout} s\n{out}\n{err}"
+        )
     finally:
         kill_everything_started_by(marker)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

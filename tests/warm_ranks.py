@@ -39,6 +39,7 @@ STARTUP = (
     "LD_PRELOAD",
     "TORCH_CPP_LOG_LEVEL",
     "CUDA_VISIBLE_DEVICES",
+    "OMP_WAIT_POLICY",
     "PROCLOG",
 )
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
@@ -71,6 +72,8 @@ def serve(fd: int) -> None:
     server = socket.socket(fileno=fd)
     preload()
     DEFAULT_THREADS.append(sys.modules["torch"].get_num_threads())
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    BASE_PATH.extend(sys.path[1 + len(pythonpath) :])
     assert threading.active_count() == 1, "a thread in the server would be copied mid-lock"
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -102,18 +105,30 @@ def serve(fd: int) -> None:
 def become(request: dict, fds: list[int]) -> None:
     """In the forked child: become `python SCRIPT ARGS` in its folder and environment, and exit as
     that process would."""
-    import builtins
-    import io
-    import random
-    import types
-
     os.setsid()  # a session of its own, as the tests start every command
     for target, descriptor in zip((0, 1, 2), fds):
         os.dup2(descriptor, target)
         os.close(descriptor)
-    os.chdir(request["cwd"])
+    start_afresh(request["cwd"], request["env"])
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)
+    keep_a_zygote()
+    with open(script, "rb") as f:
+        run_as_main(compile(f.read(), script, "exec"), script)
+
+
+def start_afresh(cwd: str, env: dict) -> None:
+    """What a fresh interpreter in cwd with env would have, where the fork left the server's (or
+    its rank's): the environment, unbuffered stdio on descriptors 0-2, its own random streams and
+    multiprocessing key, the CPU threads OMP_NUM_THREADS gives."""
+    import io
+    import multiprocessing
+    import random
+
+    os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     # Unbuffered, as PYTHONUNBUFFERED makes a fresh interpreter's.
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(
@@ -126,31 +141,136 @@ def become(request: dict, fds: list[int]) -> None:
     # fixed and still untouched).
     random.seed()
     sys.modules["numpy"].random.seed()
+    multiprocessing.current_process().authkey = os.urandom(32)
     # The CPU threads a fresh interpreter takes from OMP_NUM_THREADS at its start (torchrun sets 1
     # for each of several workers); without it, the server's own, one a core.
     threads = os.environ.get("OMP_NUM_THREADS")
-    torch = sys.modules["torch"]
-    torch.set_num_threads(int(threads) if threads else DEFAULT_THREADS[0])
-    script = os.path.abspath(request["argv"][0])
-    sys.argv = [request["argv"][0], *request["argv"][1:]]
-    sys.path[0] = os.path.dirname(script)
+    sys.modules["torch"].set_num_threads(int(threads) if threads else DEFAULT_THREADS[0])
+
+
+def run_as_main(code, file: str | None) -> None:
+    """Run code as the module __main__ (of file, or of `python -c`) and exit as that interpreter
+    would: SystemExit's code, or 1 with the traceback from the code's own frame on."""
+    import builtins
+    import types
+
     main = types.ModuleType("__main__")
-    main.__file__ = script
+    if file is not None:
+        main.__file__ = file
     main.__builtins__ = builtins
     main.__spec__ = None
     sys.modules["__main__"] = main
-    with open(script, "rb") as f:
-        code = compile(f.read(), script, "exec")
     try:
         exec(code, main.__dict__)
     except SystemExit:
         raise
     except BaseException as e:
-        # The traceback as `python SCRIPT` prints it: from the script's frame on.
         e.with_traceback(e.__traceback__.tb_next)
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
     sys.exit(0)
+
+
+# ---- what a warm rank would start afresh: its DataLoader workers' forkserver, mp.spawn's ranks ----
+
+# the code multiprocessing runs in such an interpreter (`python -c CODE`)
+WARM_CHILDREN = (
+    "from multiprocessing.forkserver import main",
+    "from multiprocessing.spawn import spawn_main",
+)
+PR_SET_CHILD_SUBREAPER = 36
+BASE_PATH: list[str] = []  # sys.path without its first entry and PYTHONPATH's
+
+
+def keep_a_zygote() -> None:
+    """In a rank, before its script runs: fork a copy of it (one thread, torch imported), the
+    zygote, which forks each interpreter multiprocessing would start afresh with `python -c`, and
+    have multiprocessing ask it. multiprocessing waits on such a process as its own child: the
+    zygote forks twice, and the rank, a child subreaper, adopts the grandchild."""
+    import ctypes
+    import multiprocessing.util
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        ours.close()
+        serve_zygote(theirs)  # returns only in a grandchild, to run its code
+    theirs.close()
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    fresh = multiprocessing.util.spawnv_passfds
+    lock = threading.Lock()
+
+    def spawnv_passfds(path, args, passfds):
+        code = args[args.index("-c") + 1] if "-c" in args else ""
+        if os.fsdecode(path) != sys.executable or not code.startswith(WARM_CHILDREN):
+            return fresh(path, args, passfds)
+        passfds = sorted(map(int, passfds))
+        rest = args[args.index("-c") + 2 :]
+        request = {"code": code, "argv": rest, "fds": passfds, "cwd": os.getcwd()}
+        request["env"] = dict(os.environ)
+        try:
+            with lock:
+                socket.send_fds(ours, [pickle.dumps(request)], [0, 1, 2, *passfds])
+                return pickle.loads(ours.recv(1 << 10))
+        except (OSError, EOFError):  # the zygote is gone (a signal to the session)
+            return fresh(path, args, passfds)
+
+    multiprocessing.util.spawnv_passfds = spawnv_passfds
+
+
+def serve_zygote(sock: socket.socket) -> None:
+    """The zygote's loop: for each request, a grandchild that runs its code; ends with its rank."""
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 256)
+        except OSError:
+            message = b""
+        if not message:
+            os._exit(0)
+        request = pickle.loads(message)
+        read, write = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            child = os.fork()
+            if child == 0:
+                sock.close()
+                os.close(read)
+                os.close(write)
+                run_as_python_c(request, fds)  # never returns
+            os.write(write, str(child).encode())
+            os._exit(0)
+        os.close(write)
+        child = int(os.read(read, 32))
+        os.close(read)
+        os.waitpid(middle, 0)  # it is gone, and the rank has adopted the grandchild
+        for fd in fds:
+            os.close(fd)
+        sock.send(pickle.dumps(child))
+
+
+def run_as_python_c(request: dict, fds: list[int]) -> None:
+    """In the zygote's grandchild: become `python -c CODE ARGS` started with the rank's stdio and
+    the descriptors it passed (at their numbers), nothing else open."""
+    import fcntl
+
+    targets = [0, 1, 2, *request["fds"]]
+    above = max(targets + fds) + 1
+    kept = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in kept:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    for target, fd in zip(targets, kept):
+        os.dup2(fd, target)
+        os.close(fd)
+    start_afresh(request["cwd"], request["env"])
+    sys.argv = ["-c", *request["argv"]]
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = ["", *pythonpath, *BASE_PATH]
+    if request["code"].startswith(WARM_CHILDREN[1]):  # mp.spawn's rank: its own workers' forkserver
+        keep_a_zygote()
+    run_as_main(compile(request["code"], "<string>", "exec"), None)
 
 
 # ---- the client: one server per test process ----
