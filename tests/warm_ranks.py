@@ -193,7 +193,7 @@ def keep_a_zygote() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if os.fork() == 0:
         ours.close()
-        serve_zygote(theirs)  # returns only in a grandchild, to run its code
+        serve_zygote(theirs)  # never returns (a grandchild leaves it by SystemExit, as it ends)
     theirs.close()
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     fresh = multiprocessing.util.spawnv_passfds
@@ -205,8 +205,13 @@ def keep_a_zygote() -> None:
             return fresh(path, args, passfds)
         passfds = sorted(map(int, passfds))
         rest = args[args.index("-c") + 2 :]
-        request = {"code": code, "argv": rest, "fds": passfds, "cwd": os.getcwd()}
-        request["env"] = dict(os.environ)
+        request = {
+            "code": code,
+            "argv": rest,
+            "fds": passfds,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+        }
         try:
             with lock:
                 socket.send_fds(ours, [pickle.dumps(request)], [0, 1, 2, *passfds])
