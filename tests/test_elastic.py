@@ -4,6 +4,9 @@ one that does not divide the global batch."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import signal
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -109,6 +112,32 @@ def rank_of(marker: str) -> int | None:
     return None
 
 
+def store_connections(port: int) -> int:
+    """How many TCP connections the store on port holds now (each agent's client is one)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port  # ESTABLISHED
+    return count
+
+
+def join_mid_epoch(port: int, out: Path, lone: str) -> tuple:
+    """After the lone agent's first steps, a second agent joins it. The lone training process is paused while the
+    second one starts, so that a loaded machine cannot let it train the whole job alone first."""
+    wait_for(lambda: trained_steps(out) >= 8, 240, "the first agent's steps alone")
+    worker = training_processes(lone, "distributed.py")[0]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        before = store_connections(port)
+        second = start(agent(port, out), AGENT_ENV)
+        # well within --timeout 60, the watchdog's bound on one step
+        wait_for(lambda: store_connections(port) > before, 40, "the second agent at the store")
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    return second
+
+
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     """At once: a straight 2-process run; "lost", two agents, the one running rank 0 killed (every process of it:
@@ -125,15 +154,16 @@ def elastic(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProce
     joined = base / "joined"
     first = start(agent(stores["joined"], joined), AGENT_ENV)
     results = {}
-    wait_for(lambda: trained_steps(joined) >= 8, 240, "the first agent's steps alone")
-    second = start(agent(stores["joined"], joined), AGENT_ENV)
-    # a checkpoint saved by the clock after two records of world size 2 (a slow machine saves after fewer steps
-    # than those, and continuing drops the records after the checkpoint), and steps after it, in epoch 1
-    wait_for(lambda: saved_step(lost) >= 16 and trained_steps(lost) >= 24, 240, "a save")
-    assert not (lost / "metrics.jsonl").exists(), "epoch 1 ended before the kill: lengthen it"
-    victim = next(marker for _, marker in pair if rank_of(marker) == 0)
-    kill_everything_started_by(victim)
-    killed_at = trained_steps(lost)
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        second = beside.submit(join_mid_epoch, stores["joined"], joined, first[1])
+        # a checkpoint saved by the clock after two records of world size 2 (a slow machine saves after fewer steps
+        # than those, and continuing drops the records after the checkpoint), and steps after it, in epoch 1
+        wait_for(lambda: saved_step(lost) >= 16 and trained_steps(lost) >= 24, 240, "a save")
+        assert not (lost / "metrics.jsonl").exists(), "epoch 1 ended before the kill: lengthen it"
+        victim = next(marker for _, marker in pair if rank_of(marker) == 0)
+        kill_everything_started_by(victim)
+        killed_at = trained_steps(lost)
+        second = second.result()
     survivor = next((proc, marker) for proc, marker in pair if marker != victim)
     results["lost"] = finish(*survivor, timeout=300)
     results["joined"] = finish(*first, timeout=300)

@@ -42,6 +42,8 @@ STARTUP = (
     "OMP_WAIT_POLICY",
     "PROCLOG",
 )
+# glibc's allocator reads these once, as the process starts (MALLOC_MMAP_THRESHOLD_ and the like)
+GLIBC_AT_START = ("MALLOC_", "GLIBC_TUNABLES")
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
 # torch's CPU threads in the server, as its environment set them
 DEFAULT_THREADS: list[int] = []
@@ -303,7 +305,8 @@ class Server:
 
     def fits(self, env: dict) -> bool:
         """Would a fresh interpreter with env start as the server did?"""
-        return all(env.get(name) == self.env.get(name) for name in STARTUP)
+        names = {*STARTUP, *(n for n in {*env, *self.env} if n.startswith(GLIBC_AT_START))}
+        return all(env.get(name) == self.env.get(name) for name in names)
 
     def start(self, argv: list[str], env: dict, cwd: str, stdout: int, stderr: int) -> int:
         """The pid of a child running argv, writing to stdout and stderr (descriptors)."""
