@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +62,43 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: a worker a core, at least 2 (a test mostly waits on its ranks, which use every core
     anyway) and at most 4 (each worker's runs hold a few GB)."""
     return min(max(len(os.sched_getaffinity(0)), 2), 4)
+
+
+# the files whose first test marked alone has run on this worker
+ALONE_DONE: set[Path] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, the first test of a file marked alone (a bound on seconds that held with
+    nothing beside it; the file's module fixtures, which time the runs, are made for it) runs while
+    no other worker runs a test; the others run side by side."""
+    alone = item.get_closest_marker("alone") is not None and item.path not in ALONE_DONE
+    if alone:
+        ALONE_DONE.add(item.path)
+    with turn(alone):
+        yield
+
+
+@contextlib.contextmanager
+def turn(alone: bool):
+    """Every worker's test holds the run's lock shared, an alone one holds it whole. A waiting alone
+    test holds the turnstile too, so that no test starts past it."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:  # one process: every test runs alone
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"ddp-tests-{run_id}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -193,7 +193,9 @@ def run_parallel(
         results += [finish(proc, marker, timeout) for proc, marker in started]
     for r in results:
         if check and r.returncode != 0:
-            raise RunFailed(f"{' '.join(r.args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+            raise RunFailed(
+                f"{' '.join(map(str, r.args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+            )
     return results
 
 

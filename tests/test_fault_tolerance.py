@@ -71,6 +71,7 @@ def test_spawn_ends_every_process_when_one_child_dies(tmp_path):
     assert "terminated with signal SIGKILL" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.alone  # its bound on seconds
 def test_a_peer_dying_mid_collective_ends_the_other(tmp_path):
     """Two hand-started ranks (as on two machines): kill one, the other stops with a line."""
     out, port = tmp_path / "out", free_port()

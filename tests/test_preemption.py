@@ -51,6 +51,7 @@ def saved_position(out: Path) -> tuple[int, int]:
     return state["epoch"], state["step"]
 
 
+@pytest.mark.alone  # its bound on seconds
 def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path, long_straight):
     out = tmp_path / "preempted"
     ranks = [start(cmd, env) for cmd, env in by_hand(out, free_port())]
