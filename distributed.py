@@ -259,9 +259,12 @@ def train_one_epoch(
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         # the gradients' norm before clipping (all ranks hold the same gradients)
-        if args.clip_grad or recording:
-            # without --clip-grad, a norm of inf: measured, never clipped
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        if args.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        elif recording:  # measured only: the gradients are left as they are
+            grad_norm = nn.utils.get_total_norm(
+                p.grad for p in model.parameters() if p.grad is not None
+            )
         optimizer.step()
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay

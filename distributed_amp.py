@@ -277,10 +277,15 @@ def train_one_epoch(
         signum, last = stop.agreed()
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
-        if args.clip_grad or recording:  # the gradients' norm before clipping
+        if args.clip_grad or recording:
             scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-            # without --clip-grad, a norm of inf: measured, never clipped
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        # the gradients' norm before clipping (all ranks hold the same gradients)
+        if args.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        elif recording:  # measured only: the gradients are left as they are
+            grad_norm = nn.utils.get_total_norm(
+                p.grad for p in model.parameters() if p.grad is not None
+            )
         scale = internals.loss_scale(scaler).clone() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN
         ema.update()  # --ema: the average moves toward the new weights

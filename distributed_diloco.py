@@ -348,9 +348,12 @@ def train_one_epoch(
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         # this process's gradients' norm before clipping (rank 0's recorded)
-        if args.clip_grad or recording:
-            # without --clip-grad, a norm of inf: measured, never clipped
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        if args.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        elif recording:  # measured only: the gradients are left as they are
+            grad_norm = nn.utils.get_total_norm(
+                p.grad for p in model.parameters() if p.grad is not None
+            )
         optimizer.step()
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         global_step = epoch * records.steps_per_epoch + step

@@ -436,11 +436,15 @@ def train_one_epoch(
         signum, last = stop.agreed()
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
-        # the norm before clipping (inf: measured only), over all shards
         if args.clip_grad or recording:
             scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-            # a DTensor
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        # the norm before clipping, over all shards (a DTensor)
+        if args.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        elif recording:  # measured only: the gradients are left as they are
+            grad_norm = nn.utils.get_total_norm(
+                p.grad for p in model.parameters() if p.grad is not None
+            )
         # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.step(optimizer)
         scaler.update()

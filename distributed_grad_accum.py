@@ -295,9 +295,12 @@ def train_one_epoch(
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         # the gradients' norm before clipping (all ranks hold the same gradients)
-        if args.clip_grad or recording:
-            # without --clip-grad, a norm of inf: measured, never clipped
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad or float("inf"))
+        if args.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        elif recording:  # measured only: the gradients are left as they are
+            grad_norm = nn.utils.get_total_norm(
+                p.grad for p in model.parameters() if p.grad is not None
+            )
         optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
@@ -326,9 +329,7 @@ def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
     made those of the sum divided by the items of all ranks and micro-batches: one small
     all-reduce of the count.
     """
-    items = torch.as_tensor(
-        items, dtype=torch.float64, device=next(model.parameters()).device
-    ).clone()
+    items = batches.count_to_device(items, next(model.parameters()).device)
     dist.all_reduce(items)
     factor = (step_samples / items.clamp(min=1)).float()
     for p in model.parameters():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import types
 import shutil
@@ -121,6 +122,30 @@ def readme_main_job(output_dir) -> list:
     return [PYTHON, "-m", "torch.distributed.run", *words[1:]]
 
 
+# what a run of the same command prints otherwise on another machine or load: decimals, the speed,
+# the rank that waited longest, the time left
+VARYING = {
+    r"\d+\\\.\d+": r"[-+.e\d]+",  # in any of format(x, ".4g")'s forms: 1234, 0.0123, 1.2e-05
+    r"\d+(?=\\ img/s)": r"\d+",
+    r"(?<=data_wait_rank\\ )\d+": r"\d+",
+    r"(?<=left\\ )\d+:\d+:\d+": r"\d+:\d+:\d+",
+}
+
+
+def printed_as(line: str) -> str:
+    """A regular expression of line in which what varies (VARYING) may be any number."""
+    pattern = re.escape(line)
+    for varying, anything in VARYING.items():
+        pattern = re.sub(varying, lambda _, anything=anything: anything, pattern)
+    return pattern
+
+
+def readme_sample_lines() -> list[str]:
+    """The lines the README shows the main job printing ("..." aside)."""
+    block = (ROOT / "README.md").read_text().split("It prints a record", 1)[1].split("\n\n")[1]
+    return [line.strip() for line in block.splitlines() if line.strip() != "..."]
+
+
 A_STREAM = """
 class Numbers(torch.utils.data.IterableDataset):
     def __iter__(self):
@@ -219,6 +244,15 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
     assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, (
         final
     )  # ten classes: chance is 0.1
+    # the README's sample lines, each printed, whatever digits this machine's floating point gives
+    for line in readme_sample_lines():
+        shown = printed_as(line)
+        assert re.search(f"^{shown}$", result.stdout, re.M), (line, result.stdout)
+    # a record's time left is the run's: after epoch 1 of 3, two epochs' worth
+    first = re.search(
+        r"^epoch 1/3 step 16/16 train_loss .* left (\d+):(\d+):(\d+)$", result.stdout, re.M
+    )
+    assert first and first.groups() != ("0", "00", "00"), result.stdout
     for m in records:  # each epoch's line printed once, by rank 0, with the numbers of all ranks
         shown = " ".join(
             f"{k} {m[k]:.4f}"

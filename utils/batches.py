@@ -45,7 +45,7 @@ def loss_for_backward(loss, samples: int, batch_size: int) -> torch.Tensor:
             return loss
         return loss * weight
     total, count = loss
-    count = all_reduce(torch.as_tensor(count, dtype=torch.float64, device=total.device).clone())
+    count = all_reduce(count_to_device(count, total.device))
     return total * (world_size() / count.clamp(min=1)).to(total.dtype)
 
 
@@ -128,7 +128,19 @@ def batch_to_device(
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """tensor on device, the host not waiting for the copy: to a GPU from pinned memory (the
+    DataLoader's pin_memory pins a batch already; a tensor made on the host is pinned here)."""
+    if device.type == "cuda" and not tensor.is_cuda and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+def count_to_device(count, device: torch.device) -> torch.Tensor:
+    """A count (a Python number, or a tensor anywhere) as a new float64 tensor on device, copied
+    without a wait."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device, torch.float64, non_blocking=True, copy=True)
+    return to_device(torch.tensor(count, dtype=torch.float64), device)
 
 
 def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:

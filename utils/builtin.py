@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import Dataset, TensorDataset
 
+from .batches import to_device
 from .errors import UsageError, first_line
 from .ranks import errors_shared_by_all_ranks
 
@@ -125,7 +126,7 @@ class ImageBatchTransform:
             seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]
             generator = torch.Generator().manual_seed(int(seed))
             draws = torch.rand(world * len(images), 3, generator=generator)[rank::world]
-            draws = draws[: len(images)].to(images.device)
+            draws = to_device(draws[: len(images)], images.device)
             shifts = (draws[:, :2] * (2 * self.padding + 1)).long()
             flips = draws[:, 2] < 0.5
             images = random_crop_flip(images, shifts[:, 0], shifts[:, 1], flips, self.padding)

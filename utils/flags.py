@@ -163,7 +163,8 @@ def build_parser(description: str) -> ArgumentParser:
         "--ema",
         type=float,
         metavar="DECAY",
-        help="also validate and save a moving average of the weights (0.999)",
+        help="also validate and save a moving average of the weights with this decay, e.g. 0.999"
+        " (default: off)",
     )
     add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
     add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
@@ -183,9 +184,9 @@ def build_parser(description: str) -> ArgumentParser:
         type=float,
         default=300,
         help=(
-            "seconds before a stuck rendezvous fails, or a stalled rank ends every rank, named:"
-            " from the first step, no batch or saved byte on any rank for S seconds; before it, a"
-            " rank that another waited S seconds for (start-up work itself has no bound)"
+            "seconds a rank may make no progress (no batch, no byte saved) before every rank"
+            " ends, naming it; before the first step, how long a rank may wait for another (the"
+            " rendezvous, a collective); start-up work itself has no bound"
         ),
     )
     add(

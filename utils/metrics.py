@@ -80,6 +80,9 @@ class Meter:
         self.sums = zero_sums(device)
         if rank == 0:
             self.sums += self.before.to(device)
+        # Counts that are Python numbers (samples, a loss's item count) add up on the host: made
+        # into a device tensor each step, they would wait for the GPU.
+        self.items = self.samples = 0
         self.start = time.perf_counter()
         # The line of a batch read() could not read.
         self.error = ""
@@ -100,19 +103,27 @@ class Meter:
         else:
             total = loss * samples
             items = samples
-        correct = self.sums.new_zeros(())
-        scored = self.sums.new_zeros(())
+        zero = self.sums.new_zeros(())
+        correct, scored = zero, zero
         scores = logits(outputs)
         if class_indices(scores, targets) and scores.shape[1] > 1:
             # A segmentation's "ignore" label is no class.
             valid = (targets >= 0) & (targets < scores.shape[1])
             correct = ((scores.argmax(1) == targets) & valid).sum()
             scored = valid.sum()
-        values = (total.detach(), items, correct, scored, samples)
-        device = self.sums.device
-        self.sums += torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]
-        )
+        counted = zero
+        if isinstance(items, torch.Tensor):
+            counted = items.to(self.sums.device, non_blocking=True)
+        else:
+            self.items += items
+        self.samples += samples
+        # Added where they are (stack promotes to the sums' float64): nothing read back, no wait.
+        self.sums += torch.stack([total.detach(), counted, correct, scored, zero])
+
+    def all_sums(self) -> torch.Tensor:
+        """This rank's sums with its host counts, on the device (copied from the host: only where a
+        record is made)."""
+        return self.sums + self.sums.new_tensor([0, self.items, 0, 0, self.samples])
 
     def read(self, loader):
         """The loader's batches, up to one this rank cannot read (a bad file: a UsageError), whose
@@ -126,7 +137,8 @@ class Meter:
         """Every rank calls it at the same step (an all-reduce): the sums over all ranks, on the
         CPU; where a rank could not read a batch, every rank ends with its line."""
         failed = self.sums.new_tensor([float(bool(self.error))])
-        both = all_reduce(torch.cat([self.sums, failed])).cpu()
+        # Read back to the host (a sync with the GPU): at a record, a save and an epoch's end only.
+        both = all_reduce(torch.cat([self.all_sums(), failed])).cpu()
         if both[SUMS]:
             raise UsageError(next(e for e in all_gather_objects(self.error) if e))
         # In a tensor of their own, which a checkpoint keeps as it is.
@@ -146,9 +158,10 @@ class Meter:
         waits = torch.zeros(world_size(), dtype=torch.float64, device=self.sums.device)
         # Each rank its own place: the sum holds every rank's wait exactly.
         waits[rank] = self.data_wait - self.data_wait_recorded
-        # One collective for both; the sums apart after it, in a tensor of their own that a
-        # checkpoint keeps as it is.
-        both = all_reduce(torch.cat([self.sums, waits])).cpu()
+        # One collective for both, read back to the host (a sync with the GPU: a recording step's
+        # only one, with the gradients' norm); the sums apart after it, in a tensor of their own
+        # that a checkpoint keeps as it is.
+        both = all_reduce(torch.cat([self.all_sums(), waits])).cpu()
         now = both[:SUMS].clone()
         waits = both[SUMS:].clone()
         seconds = time.perf_counter() - self.marked_at
@@ -270,7 +283,12 @@ class StepRecords:
             **more,
         )
         check_finite(None, epoch, step, record, self.args)
-        left = self.args.batch_size / record["images_per_s"] * (self.steps_per_epoch - step)
+        # The run's time left at this speed: the rest of this epoch and the epochs after it.
+        left = (
+            self.args.batch_size
+            / record["images_per_s"]
+            * ((self.args.epochs - epoch) * self.steps_per_epoch - step)
+        )
         self.add(epoch, step, record, f" left {datetime.timedelta(seconds=int(left))}")
 
     def add(self, epoch: int, step: int, values: dict, suffix: str = "") -> None:

@@ -63,6 +63,7 @@ class EMA:
         self.decay = decay
         self.updates = 0
         self.average = {}
+        self.lists = None
         if decay is not None:
             self.average = {name: t.detach().clone() for name, t in self.named().items()}
 
@@ -81,14 +82,20 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
+        if not self.average:
+            return
         self.updates += 1
-        weight = 1 - min(self.decay or 0, (1 + self.updates) / (10 + self.updates))
-        for average, live in self.pairs():
-            # Integers (batch norm's count) are copied as they are.
-            if average.is_floating_point():
-                average.lerp_(live, weight)
-            else:
-                average.copy_(live)
+        weight = 1 - min(self.decay, (1 + self.updates) / (10 + self.updates))
+        if self.lists is None:  # listed once (a checkpoint's load lists them anew)
+            pairs = self.pairs()
+            floats = [pair for pair in pairs if pair[0].is_floating_point()]
+            integers = [pair for pair in pairs if not pair[0].is_floating_point()]
+            self.lists = ([a for a, _ in floats], [w for _, w in floats], *zip(*integers))
+        averages, weights, *integers = self.lists
+        # One call for all the weights; integers (batch norm's count) copied as they are.
+        torch._foreach_lerp_(averages, weights, weight)
+        if integers:
+            torch._foreach_copy_(*integers)
 
     @contextlib.contextmanager
     def swapped(self):
@@ -124,5 +131,6 @@ class EMA:
         # A sharded checkpoint has loaded into the average itself; checkpoint.pt's tensors go to
         # its device.
         self.updates = state["updates"]
+        self.lists = None
         for name, tensor in state["average"].items():
             self.average[name] = tensor.to(self.average[name].device)
