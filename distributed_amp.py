@@ -295,9 +295,11 @@ def train_one_epoch(
             # counted on the device: no host sync per step
             skipped += internals.loss_scale(scaler) < scale
         meter.update(loss, outputs, targets, samples)
-        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        # a record every --print-freq steps; a diverged run stops here
         if recording:
-            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+            # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
+            since_record = meter.since_record()
+            records.train(epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm)
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
@@ -312,6 +314,8 @@ def train_one_epoch(
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
+    # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed; the
+    # skipped steps read back from the device once an epoch
     return dict(
         **meter.epoch_record(),
         skipped_steps=int(skipped),
@@ -337,7 +341,7 @@ def evaluate(model, loader, amp_dtype, args, device, watchdog) -> dict:
             outputs = batches.forward(module, inputs)
             loss = compute_loss(outputs, targets)
         meter.update(loss, outputs, targets, samples)
-    totals = meter.all_ranks()  # sums over all ranks
+    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )

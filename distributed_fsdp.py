@@ -453,10 +453,14 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        # a record every --print-freq steps; a diverged run stops here
         if recording:
-            # all shards' norm
-            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm.full_tensor())
+            # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
+            since_record = meter.since_record()
+            # all shards' norm (a collective: every rank)
+            records.train(
+                epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm.full_tensor()
+            )
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
@@ -470,7 +474,8 @@ def train_one_epoch(
             save(epoch, step, final=bool(signum))
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
-    return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
+    # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
+    return meter.epoch_record()
 
 
 @torch.no_grad()
@@ -500,7 +505,7 @@ def evaluate(model, loader, args, device, watchdog) -> dict:
             meter.update(compute_loss(outputs, targets), outputs, targets, samples)
     # the root keeps its weights gathered after forward, for a backward: free them
     ranks.unwrap(model).reshard()
-    totals = meter.all_ranks()  # sums over all ranks
+    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )

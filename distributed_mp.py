@@ -264,9 +264,11 @@ def train_one_epoch(
         ema.update()  # --ema: the average moves toward the new weights
         scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         meter.update(loss, outputs, targets, samples)
-        # every rank: the numbers of all ranks since the last record; a diverged run stops here
+        # a record every --print-freq steps; a diverged run stops here
         if recording:
-            records.train(epoch, step, optimizer.param_groups[0]["lr"], grad_norm)
+            # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
+            since_record = meter.since_record()
+            records.train(epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm)
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
             records.add(
@@ -279,7 +281,8 @@ def train_one_epoch(
             save(epoch, step)  # this point of the epoch: the same command continues from here
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
-    return meter.epoch_record()  # the epoch's loss and accuracy over all ranks, its time and speed
+    # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
+    return meter.epoch_record()
 
 
 @torch.no_grad()
@@ -297,7 +300,7 @@ def evaluate(model, loader, args, device, watchdog) -> dict:
         inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
         outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, samples)
-    totals = meter.all_ranks()  # sums over all ranks
+    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )

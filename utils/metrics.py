@@ -272,11 +272,14 @@ class StepRecords:
             wandb.replay(kept["global_step"], kept["epoch"], self.steps_per_epoch)
             self.sinks.append(wandb)
 
-    def train(self, epoch: int, step: int, lr: float, grad_norm: torch.Tensor, **more) -> None:
-        """Every rank calls it at the same step (an all-reduce): a training record of all ranks'
-        numbers; a diverged run stops here."""
+    def train(
+        self, epoch: int, step: int, since_record: dict, lr: float, grad_norm: torch.Tensor, **more
+    ) -> None:
+        """Every rank calls it at the same step: a training record of all ranks' numbers
+        (Meter.since_record's), the learning rate and the gradients' norm; a diverged run stops
+        here."""
         record = dict(
-            **self.meter.since_record(),
+            **since_record,
             lr=lr,
             grad_norm=float(grad_norm),
             peak_mem_mb=peak_memory_mb(self.meter.sums.device),
