@@ -36,7 +36,7 @@ def pytest_configure(config):
 
 
 # The files whose tests take the most CPU (374 to 78 CPU-seconds, measured on 2 cores, 2026-11-27),
-# first: pytest-xdist (pytest.ini: -n auto --dist loadfile) hands each worker whole files in this
+# first: pytest-xdist (-n auto; pytest.ini: --dist loadfile) hands each worker whole files in this
 # order, the longest ones before the short ones that fill in beside them.
 HEAVIEST_FIRST = [
     "test_fsdp",
