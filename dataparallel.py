@@ -9,6 +9,8 @@ on the first GPU. Simple, but slower than DDP: prefer distributed.py.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -136,44 +138,54 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     return train_loader, val_loader
 
 
-def train_one_epoch(
-    model,
-    loader,
-    val_loader,
-    optimizer,
-    scheduler,
-    epoch: int,
-    first_step: int,
-    args,
-    device,
-    stop,
-    save,
-    records,
-    ema,
-    watchdog,
-) -> dict:
+@dataclasses.dataclass
+class Training:
+    """What the loop works with, built once in main()."""
+
+    args: argparse.Namespace
+    model: nn.Module  # nn.DataParallel over the GPUs; the module itself on the CPU
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    train_loader: DataLoader
+    val_loader: DataLoader
+    device: torch.device
+    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
+
+
+def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
+    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
+    args, model, optimizer = run.args, run.model, run.optimizer
     model.train()
+    # a new shuffle each epoch, the same on all ranks (a stream's too)
+    run.train_loader.sampler.set_epoch(epoch)
+    # the epoch told to the dataset (an image folder draws its crops from it); continued
+    # mid-epoch: the same order, without the batches already trained on
+    loader = batches.epoch_loader(run.train_loader, epoch, steps_done)
     # continued mid-epoch: with the sums the checkpoint kept
-    meter = records.meter_for_epoch(device, first_step)
+    meter = run.recorder.meter_for_epoch(run.device, steps_done)
     # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = records.steps_per_epoch
-    # every rank takes the same steps: a stream that ends unevenly stops all after the same one
-    for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+    steps = run.recorder.steps_per_epoch
+    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
+    # stops all after the same one
+    for step, (num_samples, batch) in run.stop.steps(meter.timed(loader), steps_done, steps):
+        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
         # step), as one process draws its own for each sample
         seeds.seed_step(args.seed, epoch, step)
         inputs, targets = batches.batch_to_device(
-            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         # replicas' gradients are summed onto the first GPU
-        batches.loss_for_backward(loss, samples, args.batch_size).backward()
+        batches.loss_for_backward(loss, num_samples, args.batch_size).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
-        signum, last = stop.agreed()
+        signum, last = run.stop.agreed()
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         # the gradients' norm before clipping
@@ -184,45 +196,74 @@ def train_one_epoch(
                 p.grad for p in model.parameters() if p.grad is not None
             )
         optimizer.step()
-        ema.update()  # --ema: the average moves toward the new weights
-        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, outputs, targets, samples)
+        run.ema.update()  # --ema: the average moves toward the new weights
+        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+        meter.update(loss, outputs, targets, num_samples)
         # a record every --print-freq steps; a diverged run stops here
         if recording:
             # the loss, accuracy and speed since the last record (one process: nothing to reduce)
             since_record = meter.since_record()
-            records.train(epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm)
-        # --eval-every N: mid-epoch too
+            lr = optimizer.param_groups[0]["lr"]
+            run.recorder.train(epoch, step, since_record, lr, grad_norm)
+        # --eval-every N: mid-epoch too (every rank)
         if args.eval_every and step % args.eval_every == 0 and not last:
-            records.add(
-                epoch,
-                step,
-                ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
-            )
+            run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
             model.train()
-        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
-            save(epoch, step)  # this point of the epoch: the same command continues from here
+        # this point of the epoch (every rank): the same command continues from here
+        if signum or run.stop.save_due() or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(run, epoch, step)
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
     return meter.epoch_record()  # the epoch's loss and accuracy, its time and speed
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device, watchdog) -> dict:
-    """Loss (and accuracy) over the whole validation set, each sample counted once."""
-    module = ranks.unwrap(model)  # one device is enough to score
+def evaluate(run: Training) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
+    calls it."""
+    module = ranks.unwrap(run.model)  # one device is enough to score
     module.eval()
-    meter = metrics.Meter(device)
+    meter = metrics.Meter(run.device)
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
-    for samples, batch in meter.read(loader):
-        watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
+    for num_samples, batch in meter.read(run.val_loader):
+        run.watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(
+            batch, run.device, run.val_loader.dataset, run.args.channels_last
+        )
         outputs = batches.forward(module, inputs)
-        meter.update(compute_loss(outputs, targets), outputs, targets, samples)
+        meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
     totals = meter.all_ranks()  # the sums (one process: nothing to reduce)
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )
+
+
+def save_checkpoint(run: Training, epoch: int, step: int) -> None:
+    """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
+    weights that are no longer finite, end the run."""
+    args, model = run.args, run.model
+    progress = run.recorder.all_ranks_state_dict()  # the epoch's sums
+    with ranks.errors_shared_by_all_ranks():
+        # never NaN over the last good checkpoint
+        checks.check_finite(model, epoch, step, None, args)
+        checkpoint = {
+            "model": ranks.unwrap(model).state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "ema": run.ema.state_dict(),
+            "records": progress,
+            "epoch": epoch,
+            "step": step,
+            "arch": args.arch,
+            "optimizer_name": args.optimizer,
+            "seed": args.seed,
+        }
+        output_dir = Path(args.output_dir)
+        checkpoints.save_checkpoint(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
+        if args.ema:  # and the average alone, with plain keys
+            with run.ema.swapped():
+                state = ranks.unwrap(model).state_dict()
+                checkpoints.save_checkpoint(state, output_dir / "model_ema.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -280,87 +321,48 @@ def main(teardown: ExitStack) -> None:
 
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
-    checkpoint_path = output_dir / "checkpoint.pt"
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    run = Training(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=ema,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=device,
+        stop=stop,
+        watchdog=watchdog,
+        recorder=recorder,
+    )
 
-    def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
-        a run that diverged, ends every rank."""
-        # every rank: the epoch's sums over all ranks, which the next record and epoch need
-        progress = records.all_ranks_state_dict()
-        with ranks.errors_shared_by_all_ranks():
-            if rank == 0:
-                # never NaN over the last good checkpoint
-                checks.check_finite(model, epoch, step, record, args)
-                if record:  # first: a crash before the checkpoint is written redoes the epoch
-                    records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                checkpoints.save_checkpoint(
-                    {
-                        "model": ranks.unwrap(model).state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "ema": ema.state_dict(),
-                        "records": progress,
-                        "epoch": epoch,
-                        "step": step,
-                        "arch": args.arch,
-                        "optimizer_name": args.optimizer,
-                        "seed": args.seed,
-                    },
-                    checkpoint_path,
-                    watchdog,
-                )
-                if args.ema:  # and the average alone, with plain keys
-                    with ema.swapped():
-                        checkpoints.save_checkpoint(
-                            ranks.unwrap(model).state_dict(), output_dir / "model_ema.pt", watchdog
-                        )
-
+    checkpoint_path = output_dir / "checkpoint.pt"
     state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch, first_step = 0, 0
+    start_epoch, steps_done = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = checkpoints.restore(
+        start_epoch, steps_done = checkpoints.restore(
             state,
             checkpoint_path,
             args,
             model=ranks.unwrap(model),
             optimizer=optimizer,
             scheduler=scheduler,
-            records=records,
+            records=recorder,
             ema=ema,
         )
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
-            records.start(start_epoch, first_step)
+            recorder.start(start_epoch, steps_done)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (a stream's too)
-        # the epoch told to the dataset (an image folder draws its crops from it); continued
-        # mid-epoch: the same order, without the batches already trained on
-        loader = batches.epoch_loader(train_loader, epoch, first_step)
-        record = train_one_epoch(
-            model,
-            loader,
-            val_loader,
-            optimizer,
-            scheduler,
-            epoch,
-            first_step,
-            args,
-            device,
-            stop,
-            save,
-            records,
-            ema,
-            watchdog,
-        )
-        first_step = 0
-        # --ema: the average's too
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog))
-        records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
+        record = train_one_epoch(run, epoch, steps_done)
+        steps_done = 0
+        # every rank; --ema: the average's too
+        validation = ema.evaluated(evaluate, run)
+        recorder.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -370,7 +372,13 @@ def main(teardown: ExitStack) -> None:
             **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
-        save(epoch + 1, 0, record)
+        # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
+        # between them redoes the epoch; a diverged run's never
+        with ranks.errors_shared_by_all_ranks():
+            if rank == 0:
+                checks.check_finite(model, epoch + 1, 0, record, args)
+                recorder.epoch(record)
+        save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
     with ranks.errors_shared_by_all_ranks():
         checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)

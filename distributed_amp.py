@@ -13,6 +13,8 @@ needs no scaler.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from contextlib import ExitStack
 from datetime import timedelta
@@ -232,49 +234,60 @@ def build_loaders(
     return train_loader, val_loader
 
 
-def train_one_epoch(
-    model,
-    loader,
-    val_loader,
-    optimizer,
-    scheduler,
-    scaler,
-    amp_dtype,
-    epoch: int,
-    first_step: int,
-    args,
-    device,
-    stop,
-    save,
-    records,
-    ema,
-    watchdog,
-) -> dict:
+@dataclasses.dataclass
+class Training:
+    """What the loop works with, built once in main()."""
+
+    args: argparse.Namespace
+    model: nn.Module  # wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # float16: the loss scale; off otherwise
+    amp_dtype: torch.dtype  # autocast's
+    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    train_loader: DataLoader
+    val_loader: DataLoader
+    device: torch.device
+    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
+
+
+def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
+    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
+    args, model, optimizer, scaler = run.args, run.model, run.optimizer, run.scaler
     model.train()
+    # a new shuffle each epoch, the same on all ranks (a stream's too)
+    run.train_loader.sampler.set_epoch(epoch)
+    # the epoch told to the dataset (an image folder draws its crops from it); continued
+    # mid-epoch: the same order, without the batches already trained on
+    loader = batches.epoch_loader(run.train_loader, epoch, steps_done)
     # continued mid-epoch: with the sums the checkpoint kept
-    meter = records.meter_for_epoch(device, first_step)
-    skipped = torch.zeros((), device=device)
+    meter = run.recorder.meter_for_epoch(run.device, steps_done)
+    skipped = torch.zeros((), device=run.device)
     # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = records.steps_per_epoch
-    # every rank takes the same steps: a stream that ends unevenly stops all after the same one
-    for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+    steps = run.recorder.steps_per_epoch
+    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
+    # stops all after the same one
+    for step, (num_samples, batch) in run.stop.steps(meter.timed(loader), steps_done, steps):
+        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
         # step), as one process draws its own for each sample
         seeds.seed_step(args.seed, epoch, step)
         inputs, targets = batches.batch_to_device(
-            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
-        with torch.autocast(device.type, dtype=amp_dtype):  # forward and loss only, not backward
+        # autocast: forward and loss only, not backward
+        with torch.autocast(run.device.type, dtype=run.amp_dtype):
             outputs = batches.forward(model, inputs)
             loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         # a (sum, count) pair over the count of all ranks; DDP all-reduces the (scaled) gradients
         # here
-        scaler.scale(batches.loss_for_backward(loss, samples, args.batch_size)).backward()
+        scaler.scale(batches.loss_for_backward(loss, num_samples, args.batch_size)).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
-        signum, last = stop.agreed()
+        signum, last = run.stop.agreed()
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         if args.clip_grad or recording:
@@ -288,30 +301,26 @@ def train_one_epoch(
             )
         scale = internals.loss_scale(scaler).clone() if scaler.is_enabled() else None
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN
-        ema.update()  # --ema: the average moves toward the new weights
-        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+        run.ema.update()  # --ema: the average moves toward the new weights
+        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
         scaler.update()  # halves the scale after a skip, grows it after many good steps
         if scale is not None:
             # counted on the device: no host sync per step
             skipped += internals.loss_scale(scaler) < scale
-        meter.update(loss, outputs, targets, samples)
+        meter.update(loss, outputs, targets, num_samples)
         # a record every --print-freq steps; a diverged run stops here
         if recording:
             # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
             since_record = meter.since_record()
-            records.train(epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm)
-        # --eval-every N: mid-epoch too
+            lr = optimizer.param_groups[0]["lr"]
+            run.recorder.train(epoch, step, since_record, lr, grad_norm)
+        # --eval-every N: mid-epoch too (every rank)
         if args.eval_every and step % args.eval_every == 0 and not last:
-            records.add(
-                epoch,
-                step,
-                ema.evaluated(
-                    lambda: evaluate(model, val_loader, amp_dtype, args, device, watchdog)
-                ),
-            )
+            run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
             model.train()
-        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
-            save(epoch, step)  # this point of the epoch: the same command continues from here
+        # this point of the epoch (every rank): the same command continues from here
+        if signum or run.stop.save_due() or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(run, epoch, step)
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed; the
@@ -324,27 +333,63 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model, loader, amp_dtype, args, device, watchdog) -> dict:
-    """Loss (and accuracy) over the whole validation set, each sample counted once."""
-    module = ranks.unwrap(model)  # not DDP's forward: shards may differ in length by one batch
+def evaluate(run: Training) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
+    calls it."""
+    module = ranks.unwrap(run.model)  # not DDP's forward: shards may differ in length by one batch
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     module.eval()
-    meter = metrics.Meter(device)
+    meter = metrics.Meter(run.device)
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
-    for samples, batch in meter.read(loader):
-        watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
+    for num_samples, batch in meter.read(run.val_loader):
+        run.watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(
+            batch, run.device, run.val_loader.dataset, run.args.channels_last
+        )
         # the loss too: autocast keeps it float32
-        with torch.autocast(device.type, dtype=amp_dtype):
+        with torch.autocast(run.device.type, dtype=run.amp_dtype):
             outputs = batches.forward(module, inputs)
             loss = compute_loss(outputs, targets)
-        meter.update(loss, outputs, targets, samples)
+        meter.update(loss, outputs, targets, num_samples)
     totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )
+
+
+def save_checkpoint(run: Training, epoch: int, step: int) -> None:
+    """What continues the run exactly: epochs done, and steps done in the next. Every rank calls
+    it; rank 0 writes (the others hold the same weights). A full disk, or weights that are no
+    longer finite, end every rank."""
+    args, model = run.args, run.model
+    # all-reduce, every rank: the epoch's sums over all ranks, which the next record and epoch need
+    progress = run.recorder.all_ranks_state_dict()
+    with ranks.errors_shared_by_all_ranks():
+        if dist.get_rank() == 0:
+            # never NaN over the last good checkpoint
+            checks.check_finite(model, epoch, step, None, args)
+            checkpoint = {
+                "model": ranks.unwrap(model).state_dict(),
+                "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(),
+                "scaler": run.scaler.state_dict(),
+                "ema": run.ema.state_dict(),
+                "records": progress,
+                "epoch": epoch,
+                "step": step,
+                "arch": args.arch,
+                "optimizer_name": args.optimizer,
+                "seed": args.seed,
+                "world_size": dist.get_world_size(),  # what continues says so
+            }
+            output_dir = Path(args.output_dir)
+            checkpoints.save_checkpoint(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
+            if args.ema:  # and the average alone, with plain keys
+                with run.ema.swapped():
+                    state = ranks.unwrap(model).state_dict()
+                    checkpoints.save_checkpoint(state, output_dir / "model_ema.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -419,50 +464,30 @@ def main(teardown: ExitStack) -> None:
 
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
-    checkpoint_path = output_dir / "checkpoint.pt"
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    run = Training(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        amp_dtype=amp_dtype,
+        ema=ema,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=device,
+        stop=stop,
+        watchdog=watchdog,
+        recorder=recorder,
+    )
 
-    def save(epoch: int, step: int, record: dict | None = None) -> None:
-        """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
-        a run that diverged, ends every rank."""
-        # every rank: the epoch's sums over all ranks, which the next record and epoch need
-        progress = records.all_ranks_state_dict()
-        with ranks.errors_shared_by_all_ranks():
-            if rank == 0:  # one writer; the other ranks hold the same weights
-                # never NaN over the last good checkpoint
-                checks.check_finite(model, epoch, step, record, args)
-                if record:  # first: a crash before the checkpoint is written redoes the epoch
-                    records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-                checkpoints.save_checkpoint(
-                    {
-                        "model": ranks.unwrap(model).state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "ema": ema.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "records": progress,
-                        "epoch": epoch,
-                        "step": step,
-                        "arch": args.arch,
-                        "optimizer_name": args.optimizer,
-                        "seed": args.seed,
-                        "world_size": world_size,  # what continues says so
-                    },
-                    checkpoint_path,
-                    watchdog,
-                )
-                if args.ema:  # and the average alone, with plain keys
-                    with ema.swapped():
-                        checkpoints.save_checkpoint(
-                            ranks.unwrap(model).state_dict(), output_dir / "model_ema.pt", watchdog
-                        )
-
+    checkpoint_path = output_dir / "checkpoint.pt"
     state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch, first_step = 0, 0
+    start_epoch, steps_done = 0, 0
     if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, first_step = checkpoints.restore(
+        start_epoch, steps_done = checkpoints.restore(
             state,
             checkpoint_path,
             args,
@@ -470,44 +495,20 @@ def main(teardown: ExitStack) -> None:
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=scaler,
-            records=records,
+            records=recorder,
             ema=ema,
         )
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
-            records.start(start_epoch, first_step)
+            recorder.start(start_epoch, steps_done)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        # a new shuffle each epoch, the same on all ranks (a stream's too)
-        train_loader.sampler.set_epoch(epoch)
-        # the epoch told to the dataset (an image folder draws its crops from it); continued
-        # mid-epoch: the same order, without the batches already trained on
-        loader = batches.epoch_loader(train_loader, epoch, first_step)
-        record = train_one_epoch(
-            model,
-            loader,
-            val_loader,
-            optimizer,
-            scheduler,
-            scaler,
-            amp_dtype,
-            epoch,
-            first_step,
-            args,
-            device,
-            stop,
-            save,
-            records,
-            ema,
-            watchdog,
-        )
-        first_step = 0
-        # --ema: its too
-        validation = ema.evaluated(
-            lambda: evaluate(model, val_loader, amp_dtype, args, device, watchdog)
-        )
-        records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
+        record = train_one_epoch(run, epoch, steps_done)
+        steps_done = 0
+        # every rank; --ema: its too
+        validation = ema.evaluated(evaluate, run)
+        recorder.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -517,7 +518,13 @@ def main(teardown: ExitStack) -> None:
             **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
-        save(epoch + 1, 0, record)
+        # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
+        # between them redoes the epoch; a diverged run's never
+        with ranks.errors_shared_by_all_ranks():
+            if rank == 0:
+                checks.check_finite(model, epoch + 1, 0, record, args)
+                recorder.epoch(record)
+        save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:

@@ -15,7 +15,9 @@ rank writes its part of checkpoint/, and any number of processes can continue fr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -395,45 +397,55 @@ def shard_model(
     )
 
 
-def train_one_epoch(
-    model,
-    loader,
-    val_loader,
-    optimizer,
-    scheduler,
-    scaler,
-    epoch: int,
-    first_step: int,
-    args,
-    device,
-    stop,
-    save,
-    records,
-    ema,
-    watchdog,
-) -> dict:
+@dataclasses.dataclass
+class Training:
+    """What the loop works with, built once in main()."""
+
+    args: argparse.Namespace
+    model: nn.Module  # its blocks and itself sharded by fully_shard
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # float16: the loss scale; off otherwise
+    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    train_loader: DataLoader
+    val_loader: DataLoader
+    device: torch.device
+    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
+
+
+def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
+    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
+    args, model, optimizer, scaler = run.args, run.model, run.optimizer, run.scaler
     model.train()
+    # a new shuffle each epoch, the same on all ranks (a stream's too)
+    run.train_loader.sampler.set_epoch(epoch)
+    # the epoch told to the dataset (an image folder draws its crops from it); continued
+    # mid-epoch: the same order, without the batches already trained on
+    loader = batches.epoch_loader(run.train_loader, epoch, steps_done)
     # continued mid-epoch: with the sums the checkpoint kept
-    meter = records.meter_for_epoch(device, first_step)
+    meter = run.recorder.meter_for_epoch(run.device, steps_done)
     # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = records.steps_per_epoch
-    # every rank takes the same steps: a stream that ends unevenly stops all after the same one
-    for step, (samples, batch) in stop.steps(meter.timed(loader), first_step, steps):
-        watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+    steps = run.recorder.steps_per_epoch
+    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
+    # stops all after the same one
+    for step, (num_samples, batch) in run.stop.steps(meter.timed(loader), steps_done, steps):
+        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
         # step), as one process draws its own for each sample
         seeds.seed_step(args.seed, epoch, step)
         inputs, targets = batches.batch_to_device(
-            batch, device, loader.dataset, args.channels_last, key=(epoch, step)
+            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's
         # gradients here: every rank keeps the mean gradient of its own shard
-        scaler.scale(batches.loss_for_backward(loss, samples, args.batch_size)).backward()
+        scaler.scale(batches.loss_for_backward(loss, num_samples, args.batch_size)).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
-        signum, last = stop.agreed()
+        signum, last = run.stop.agreed()
         # a record every --print-freq steps and at the end
         recording = step % args.print_freq == 0 or last
         if args.clip_grad or recording:
@@ -448,30 +460,25 @@ def train_one_epoch(
         # each rank updates its shard; float16: skipped on every rank if one overflowed
         scaler.step(optimizer)
         scaler.update()
-        ema.update()  # --ema: the average of each rank's own shards moves toward them
+        run.ema.update()  # --ema: the average of each rank's own shards moves toward them
         # freed now: the next forward, validation and saves need no gradients
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, outputs, targets, samples)
+        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+        meter.update(loss, outputs, targets, num_samples)
         # a record every --print-freq steps; a diverged run stops here
         if recording:
             # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
             since_record = meter.since_record()
+            lr = optimizer.param_groups[0]["lr"]
             # all shards' norm (a collective: every rank)
-            records.train(
-                epoch, step, since_record, optimizer.param_groups[0]["lr"], grad_norm.full_tensor()
-            )
-        # --eval-every N: mid-epoch too
+            run.recorder.train(epoch, step, since_record, lr, grad_norm.full_tensor())
+        # --eval-every N: mid-epoch too (every rank)
         if args.eval_every and step % args.eval_every == 0 and not last:
-            records.add(
-                epoch,
-                step,
-                ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog)),
-            )
+            run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
             model.train()
-        if signum or stop.save_due() or (args.save_every and step % args.save_every == 0):
-            # this point of the epoch: the same command continues from here
-            save(epoch, step, final=bool(signum))
+        # this point of the epoch (every rank): the same command continues from here
+        if signum or run.stop.save_due() or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(run, epoch, step, final=bool(signum))
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
@@ -479,32 +486,35 @@ def train_one_epoch(
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device, watchdog) -> dict:
-    """Loss (and accuracy) over the whole validation set, each sample counted once."""
+def evaluate(run: Training) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
+    calls it."""
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
-    for buffer in model.buffers():
+    for buffer in run.model.buffers():
         dist.broadcast(buffer, 0)
-    model.eval()
-    meter = metrics.Meter(device)
+    run.model.eval()
+    meter = metrics.Meter(run.device)
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
-    spare = (0, loader.collate_fn(batches.first_samples(loader, 1))[1])
+    spare = (0, run.val_loader.collate_fn(batches.first_samples(run.val_loader, 1))[1])
     # a batch this rank cannot read (a bad file) ends its share, and all_ranks() every rank
-    shard = meter.read(loader)
+    shard = meter.read(run.val_loader)
     while True:
         item = next(shard, None)
         # the ranks that have a batch
-        if not ranks.all_reduce(torch.tensor(int(item is not None), device=device)):
+        if not ranks.all_reduce(torch.tensor(int(item is not None), device=run.device)):
             break
-        samples, batch = item or spare
-        watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(batch, device, loader.dataset, args.channels_last)
-        outputs = batches.forward(model, inputs)
-        if samples:
-            meter.update(compute_loss(outputs, targets), outputs, targets, samples)
+        num_samples, batch = item or spare
+        run.watchdog.batch()  # progress: a validation batch
+        inputs, targets = batches.batch_to_device(
+            batch, run.device, run.val_loader.dataset, run.args.channels_last
+        )
+        outputs = batches.forward(run.model, inputs)
+        if num_samples:
+            meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
     # the root keeps its weights gathered after forward, for a backward: free them
-    ranks.unwrap(model).reshard()
+    ranks.unwrap(run.model).reshard()
     totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
     return dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
@@ -585,6 +595,60 @@ def load_sharded(
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def training_state(run: Training) -> dict:
+    """What continues the run exactly: every rank its own shards of the model and the optimizer,
+    the rest once. An optimizer without state (no step taken yet) saves none: asked for it, PyTorch
+    would make one with a step of its own. Every rank calls it (an all-reduce of the records)."""
+    module, optimizer = ranks.unwrap(run.model), run.optimizer
+    optimizer_state = (
+        {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
+    )
+    return {
+        "model": get_model_state_dict(module),
+        **optimizer_state,
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        # all-reduce, every rank: the epoch's sums over all ranks
+        "records": run.recorder.all_ranks_state_dict(),
+        "ema": run.ema.state_dict(),
+        "arch": run.args.arch,
+        "optimizer_name": run.args.optimizer,
+        "epoch": 0,
+        "step": 0,
+        "seed": run.args.seed,
+        "world_size": dist.get_world_size(),  # what continues says so
+    }
+
+
+def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -> None:
+    """Epochs done, and steps done in the next: every rank writes its own shards (a collective).
+    Final: the whole weights too, gathered on rank 0 (model.pt, hf/, model_ema.pt). A full disk, or
+    weights that are no longer finite, end every rank."""
+    args, module, watchdog = run.args, ranks.unwrap(run.model), run.watchdog
+    rank, output_dir = dist.get_rank(), Path(args.output_dir)
+    # agreed before the sharded save, a collective, begins: never NaN over the last good checkpoint
+    with ranks.errors_shared_by_all_ranks():
+        checks.check_finite(run.model, epoch, step, None, args)  # each rank its own shards
+    with ranks.errors_shared_by_all_ranks():
+        state = {**training_state(run), "epoch": epoch, "step": step}
+        save_sharded(state, output_dir / "checkpoint", rank, watchdog)
+    # --ema: the average's twin
+    for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
+        # the whole weights, gathered once, with plain keys: for one process, inference or
+        # distributed.py written while swapped in: one process's "gathered" weights are the
+        # model's own tensors
+        with run.ema.swapped() if name == "model_ema" else contextlib.nullcontext():
+            weights = get_model_state_dict(
+                module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            with ranks.errors_shared_by_all_ranks():
+                if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
+                    checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
+                    if name == "model":
+                        checkpoints.save_pretrained(module, output_dir / "hf", watchdog, weights)
+        del weights  # before the twin's: one whole copy at a time
 
 
 def main(teardown: ExitStack) -> None:
@@ -685,104 +749,43 @@ def main(teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    records = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
-
-    def training_state() -> dict:
-        """What continues the run exactly: every rank its own shards of the model and the optimizer,
-        the rest once. An optimizer without state (no step taken yet) saves none: asked for it,
-        PyTorch would make one with a step of its own."""
-        optimizer_state = (
-            {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
-        )
-        return {
-            "model": get_model_state_dict(module),
-            **optimizer_state,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            # every rank: the epoch's sums over all ranks
-            "records": records.all_ranks_state_dict(),
-            "ema": ema.state_dict(),
-            "arch": args.arch,
-            "optimizer_name": args.optimizer,
-            "epoch": 0,
-            "step": 0,
-            "seed": args.seed,
-            "world_size": world_size,  # what continues says so
-        }
-
-    def save(epoch: int, step: int, record: dict | None = None, final: bool = False) -> None:
-        """Epochs done, and steps done in the next. A full disk, or a run that diverged, ends every
-        rank."""
-        # agreed before the sharded save, a collective, begins
-        with ranks.errors_shared_by_all_ranks():
-            checks.check_finite(model, epoch, step, record, args)  # each rank its own shards
-            # first: a crash before the checkpoint is written redoes the epoch
-            if rank == 0 and record:
-                records.epoch(record)  # metrics.jsonl (and W&B), then its line printed
-        with ranks.errors_shared_by_all_ranks():
-            save_sharded(
-                {**training_state(), "epoch": epoch, "step": step}, checkpoint_dir, rank, watchdog
-            )
-        # --ema: the average's twin
-        for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
-            # the whole weights, gathered once, with plain keys: for one process, inference or
-            # distributed.py written while swapped in: one process's "gathered" weights are the
-            # model's own tensors
-            with ema.swapped() if name == "model_ema" else contextlib.nullcontext():
-                weights = get_model_state_dict(
-                    module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-                )
-                with ranks.errors_shared_by_all_ranks():
-                    if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
-                        checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
-                        if name == "model":
-                            checkpoints.save_pretrained(
-                                module, output_dir / "hf", watchdog, weights
-                            )
-            del weights  # before the twin's: one whole copy at a time
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    run = Training(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        ema=ema,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=device,
+        stop=stop,
+        watchdog=watchdog,
+        recorder=recorder,
+    )
 
     path = latest_checkpoint(checkpoint_dir, rank)
-    start_epoch, first_step = 0, 0
+    start_epoch, steps_done = 0, 0
     if path:
-        state = training_state()
+        state = training_state(run)
         with ranks.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
-        start_epoch, first_step = checkpoints.restore(
-            state, path, args, scheduler=scheduler, scaler=scaler, records=records, ema=ema
+        start_epoch, steps_done = checkpoints.restore(
+            state, path, args, scheduler=scheduler, scaler=scaler, records=recorder, ema=ema
         )
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:  # what the checkpoint holds: the records after it are written again
-            records.start(start_epoch, first_step)
+            recorder.start(start_epoch, steps_done)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        # a new shuffle each epoch, the same on all ranks (a stream's too)
-        train_loader.sampler.set_epoch(epoch)
-        # the epoch told to the dataset (an image folder draws its crops from it); continued
-        # mid-epoch: the same order, without the batches already trained on
-        loader = batches.epoch_loader(train_loader, epoch, first_step)
-        record = train_one_epoch(
-            model,
-            loader,
-            val_loader,
-            optimizer,
-            scheduler,
-            scaler,
-            epoch,
-            first_step,
-            args,
-            device,
-            stop,
-            save,
-            records,
-            ema,
-            watchdog,
-        )
-        first_step = 0
-        # --ema: the average's too
-        validation = ema.evaluated(lambda: evaluate(model, val_loader, args, device, watchdog))
-        records.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
+        record = train_one_epoch(run, epoch, steps_done)
+        steps_done = 0
+        # every rank; --ema: the average's too
+        validation = ema.evaluated(evaluate, run)
+        recorder.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -792,7 +795,13 @@ def main(teardown: ExitStack) -> None:
             **metrics.memory_mb(model, optimizer, device),
             tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
-        save(epoch + 1, 0, record, final=epoch + 1 == last_epoch)
+        # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
+        # between them redoes the epoch; a diverged run's never (each rank checks its own shards)
+        with ranks.errors_shared_by_all_ranks():
+            checks.check_finite(model, epoch + 1, 0, record, args)
+            if rank == 0:
+                recorder.epoch(record)
+        save_checkpoint(run, epoch + 1, 0, final=epoch + 1 == last_epoch)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

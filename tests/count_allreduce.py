@@ -36,25 +36,22 @@ def main(teardown):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
     scheduler = optimizers.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
-    records = metrics.StepRecords(
-        Path(args.output_dir), args, rank, len(loader) // args.accum_steps
+    run = script.Training(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=optimizers.EMA(model, args.ema),
+        train_loader=loader,
+        val_loader=val_loader,
+        device=device,
+        stop=stops.StopSignal(),
+        watchdog=teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
+        recorder=metrics.StepRecords(
+            Path(args.output_dir), args, rank, len(loader) // args.accum_steps
+        ),
     )
-    script.train_one_epoch(
-        model,
-        loader,
-        val_loader,
-        optimizer,
-        scheduler,
-        0,
-        0,
-        args,
-        device,
-        stops.StopSignal(),
-        None,
-        records,
-        optimizers.EMA(model, args.ema),
-        teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
-    )
+    script.train_one_epoch(run, 0, 0)
     if rank == 0:
         print(
             json.dumps(

@@ -322,9 +322,13 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
         loader = DataLoader(
             val_set, 64, collate_fn=batches.Counted(distributed.collate)
         )  # as the script makes it
-        # no watchdog thread in pytest's process: what evaluate tells it, taken and dropped
+        # no watchdog thread in pytest's process: what evaluate tells it, taken and dropped; the
+        # rest of the loop's state is evaluate's no concern
         watchdog = types.SimpleNamespace(batch=lambda *key: None)
-        scored = distributed.evaluate(model, loader, args, torch.device("cpu"), watchdog)
+        training = types.SimpleNamespace(
+            model=model, val_loader=loader, args=args, device=torch.device("cpu"), watchdog=watchdog
+        )
+        scored = distributed.evaluate(training)
     finally:
         torch.distributed.destroy_process_group()
     assert scored["val_images"] == logged["val_images"] == 42

@@ -112,12 +112,12 @@ class EMA:
             live.copy_(average)
             average.copy_(kept)
 
-    def evaluated(self, evaluate: Callable[[], dict]) -> dict:
-        """evaluate()'s record; with --ema the average's too."""
-        record = evaluate()
+    def evaluated(self, evaluate: Callable[..., dict], *args) -> dict:
+        """evaluate(*args)'s record; with --ema the average's too."""
+        record = evaluate(*args)
         if self.average:
             with self.swapped():
-                for key, value in evaluate().items():
+                for key, value in evaluate(*args).items():
                     if key != "val_images":
                         record[f"{key}_ema"] = value
         return record
