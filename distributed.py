@@ -100,18 +100,8 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
+    ranks.ranks_from_slurm(args.port)  # srun without torchrun: RANK and the rest from Slurm's
     env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
-        env.update(
-            RANK=env["SLURM_PROCID"],
-            WORLD_SIZE=env["SLURM_NTASKS"],
-            LOCAL_RANK=env["SLURM_LOCALID"],
-        )
-        env.setdefault(
-            "MASTER_ADDR",
-            ranks.slurm_master_addr(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
-        )
-        env.setdefault("MASTER_PORT", str(args.port or 29500))
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))
     if torch.cuda.is_available():
@@ -292,7 +282,11 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
             model.train()
         # this point of the epoch (every rank): the same command continues from here
-        if signum or run.stop.save_due() or (args.save_every and step % args.save_every == 0):
+        if (
+            signum
+            or run.stop.save_timer_fired()
+            or (args.save_every and step % args.save_every == 0)
+        ):
             save_checkpoint(run, epoch, step)
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -394,7 +388,7 @@ def main(teardown: ExitStack) -> None:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.check_first_step(
+    flops_per_sample = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     if args.sync_bn:

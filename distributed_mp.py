@@ -287,7 +287,11 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
             model.train()
         # this point of the epoch (every rank): the same command continues from here
-        if signum or run.stop.save_due() or (args.save_every and step % args.save_every == 0):
+        if (
+            signum
+            or run.stop.save_timer_fired()
+            or (args.save_every and step % args.save_every == 0)
+        ):
             save_checkpoint(run, epoch, step)
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
@@ -394,7 +398,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.check_first_step(
+    flops_per_sample = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     if args.sync_bn:

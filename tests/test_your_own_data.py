@@ -409,13 +409,13 @@ def mse_per_sample_and_count(outputs, targets):
 
 
 def start_up_step(model, inputs, targets, compute_loss) -> float:
-    """checks.check_first_step as the scripts call it, on a loader of these samples in one batch."""
+    """checks.first_step_flops as the scripts call it, on a loader of these samples in one batch."""
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(inputs, targets),
         batch_size=len(targets),
         collate_fn=batches.Counted(torch.utils.data.default_collate),
     )
-    return checks.check_first_step(
+    return checks.first_step_flops(
         model,
         loader,
         compute_loss,
@@ -661,15 +661,15 @@ def code_lines(path: Path) -> int:
 # the loop's state in one object (the Training dataclass: a statement a field, 11 to 13, its
 # docstring and its construction in main), train_one_epoch, evaluate and save_checkpoint top-level
 # functions with docstrings, the epoch's line written in main's loop before save_checkpoint: + 24
-# to + 26.
+# to + 26; Slurm's variables read by one ranks call: - 3 where a script reads them.
 SCRIPT_LINES = {
     "dataparallel.py": 195,
-    "distributed.py": 233,
+    "distributed.py": 230,
     "distributed_mp.py": 266,
-    "distributed_amp.py": 250,
-    "distributed_grad_accum.py": 258,
-    "distributed_fsdp.py": 380,
-    "distributed_diloco.py": 233 + 51,
+    "distributed_amp.py": 247,
+    "distributed_grad_accum.py": 255,
+    "distributed_fsdp.py": 377,
+    "distributed_diloco.py": 230 + 51,
 }
 
 
@@ -699,14 +699,17 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     each image's augmentation drawn by its place in it, --save-minutes, the world size said at a continuation and in
     each record), issue 62 (57: seeds.py, each sample's and each rank's random streams seeded by where they
     are) and issue 64 (21: a step's counts kept on the host, not copied to the device; a host tensor pinned
-    before its copy; the moving average in one foreach call over tensor lists made once, nothing without --ema)."""
+    before its copy; the moving average in one foreach call over tensor lists made once, nothing without --ema;
+    and 8 for Slurm's variables, read in one call that five scripts made themselves, 3 statements each)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
     docstring = ast.get_docstring(ast.parse((ROOT / "utils" / "__init__.py").read_text()))
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
-    assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 43 + 57 + 21
+    assert (
+        sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 43 + 57 + 21 + 8
+    )
     imports = {}
     for name, path in modules.items():
         assert len(path.read_text().splitlines()) <= 600, name

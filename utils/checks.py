@@ -1,4 +1,4 @@
-"""One line before training for what training would trip on: the start-up step (check_first_step: a
+"""One line before training for what training would trip on: the start-up step (first_step_flops: a
 step of two samples, undone), the loss's form, the labels, DataLoader workers' pickles, and finite
 weights before anything is saved.
 """
@@ -43,7 +43,7 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
     )
 
 
-def check_first_step(
+def first_step_flops(
     model: nn.Module,
     loader: DataLoader,
     compute_loss: Callable,
@@ -51,10 +51,10 @@ def check_first_step(
     device: torch.device,
     unused_ok: bool,
 ) -> float:
-    """A step of two samples, undone (in float32 whatever the training's precision: two samples
-    are small): what would fail or learn nothing ends every rank with one line. Returns the FLOPs
-    of a sample, counted around the model and loss only (FlopCounterMode would see our own
-    collectives too)."""
+    """The FLOPs of a sample's forward and backward, counted around the model and loss only
+    (FlopCounterMode would see our own collectives too), in a step of two samples that is undone
+    (in float32 whatever the training's precision: two samples are small); on the way, what would
+    fail or learn nothing ends every rank with one line. Every rank calls it."""
     # Batch-norm statistics, put back afterwards.
     buffers = [b.clone() for b in model.buffers()]
     devices = []

@@ -145,6 +145,20 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
+def ranks_from_slurm(port: int | None) -> None:
+    """Under srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables, and
+    MASTER_ADDR (the node list's first host) and MASTER_PORT (port, or 29500) unless set."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    env.update(
+        RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env["SLURM_LOCALID"]
+    )
+    nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+    env.setdefault("MASTER_ADDR", slurm_master_addr(nodelist))
+    env.setdefault("MASTER_PORT", str(port or 29500))
+
+
 def slurm_master_addr(nodelist: str) -> str:
     """First host of a Slurm node list, compressed or not: 'node[01-04],gpu7' -> 'node01'."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())

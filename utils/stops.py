@@ -45,9 +45,9 @@ class StopSignal:
             self.work = None
         return int(self.flags[0]), bool(self.flags[1])
 
-    def save_due(self) -> bool:
-        """After agreed(): are --save-minutes up on some rank (then every rank saves after this
-        step, and the minutes count again)?"""
+    def save_timer_fired(self) -> bool:
+        """After agreed(): did the --save-minutes timer fire on some rank as this step began? Then
+        every rank saves after it, and the timer starts again."""
         if not self.flags[2]:
             return False
         self.saved_at = time.monotonic()
