@@ -108,7 +108,8 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    ranks.ranks_from_slurm(args.port)  # srun without torchrun: RANK and the rest from Slurm's
+    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
+    ranks.ranks_from_slurm(args.port)
     env = os.environ
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))

@@ -136,7 +136,7 @@ def printed_as(line: str) -> str:
     """A regular expression of line in which what varies (VARYING) may be any number."""
     pattern = re.escape(line)
     for varying, anything in VARYING.items():
-        pattern = re.sub(varying, lambda _, anything=anything: anything, pattern)
+        pattern = re.sub(varying, lambda _: anything, pattern)  # anything as it is, no escapes
     return pattern
 
 

@@ -118,7 +118,8 @@ def store_connections(port: int) -> int:
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             local, state = line.split()[1], line.split()[3]
-            count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port  # ESTABLISHED
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
+                count += 1
     return count
 
 

@@ -52,6 +52,7 @@ class HostSyncs(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         inputs = tree_leaves((args, kwargs))
+        # made on the model's device (the CPU here) by name: a device tensor
         device = kwargs.get("device")
         made_there = device is not None and torch.device(device).type == "cpu"
         if func is torch.Tensor.to:

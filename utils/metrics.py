@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .batches import class_indices, logits
+from .batches import class_indices, count_to_device, logits
 from .checkpoints import append_metrics, write_atomically
 from .checks import check_finite
 from .errors import UsageError
@@ -113,7 +113,7 @@ class Meter:
             scored = valid.sum()
         counted = zero
         if isinstance(items, torch.Tensor):
-            counted = items.to(self.sums.device, non_blocking=True)
+            counted = count_to_device(items, self.sums.device)
         else:
             self.items += items
         self.samples += samples

@@ -90,12 +90,17 @@ class EMA:
             pairs = self.pairs()
             floats = [pair for pair in pairs if pair[0].is_floating_point()]
             integers = [pair for pair in pairs if not pair[0].is_floating_point()]
-            self.lists = ([a for a, _ in floats], [w for _, w in floats], *zip(*integers))
-        averages, weights, *integers = self.lists
+            self.lists = (
+                [average for average, _ in floats],
+                [live for _, live in floats],
+                [average for average, _ in integers],
+                [live for _, live in integers],
+            )
+        averages, lives, integer_averages, integer_lives = self.lists
         # One call for all the weights; integers (batch norm's count) copied as they are.
-        torch._foreach_lerp_(averages, weights, weight)
-        if integers:
-            torch._foreach_copy_(*integers)
+        torch._foreach_lerp_(averages, lives, weight)
+        if integer_averages:
+            torch._foreach_copy_(integer_averages, integer_lives)
 
     @contextlib.contextmanager
     def swapped(self):
