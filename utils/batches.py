@@ -113,12 +113,15 @@ def batch_to_device(
     key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
     validation one: the built-in images' fast path (builtin); a user's Dataset has none."""
     inputs, targets = batch
-    # A tokenizer's BatchEncoding goes in as a plain dict.
-    if isinstance(inputs, Mapping):
-        inputs = dict(inputs)
-    inputs, targets = tree_map_only(
-        torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
-    )
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+    else:
+        # A tokenizer's BatchEncoding goes in as a plain dict.
+        if isinstance(inputs, Mapping):
+            inputs = dict(inputs)
+        inputs, targets = tree_map_only(
+            torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
+        )
     transform = getattr(dataset, "batch_transform", None)
     if transform is not None:
         inputs = transform(inputs, key)

@@ -101,17 +101,14 @@ class Meter:
         if self.pairs:
             total, items = loss
         else:
-            total = loss * samples
-            items = samples
-        zero = self.sums.new_zeros(())
-        correct, scored = zero, zero
+            total, items = loss.detach() * samples, samples
+        zero = correct = scored = counted = self.sums.new_zeros(())
         scores = logits(outputs)
         if class_indices(scores, targets) and scores.shape[1] > 1:
-            # A segmentation's "ignore" label is no class.
-            valid = (targets >= 0) & (targets < scores.shape[1])
-            correct = ((scores.argmax(1) == targets) & valid).sum()
-            scored = valid.sum()
-        counted = zero
+            # An argmax is a class: a label that is none (a segmentation's "ignore") is never
+            # counted right, nor scored.
+            correct = (scores.detach().argmax(1) == targets).sum()
+            scored = ((targets >= 0) & (targets < scores.shape[1])).sum()
         if isinstance(items, torch.Tensor):
             counted = count_to_device(items, self.sums.device)
         else:

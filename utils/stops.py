@@ -23,14 +23,17 @@ class StopSignal:
     def __init__(self, save_minutes: float | None = None):
         self.signal = 0
         self.work = None
-        self.flags = torch.zeros(3, dtype=torch.long)
+        # The step's flags (signal, lacking a batch, save timer) as every rank agreed on them.
+        self.values = [0, 0, 0]
         self.save_seconds = (save_minutes or 0) * 60
         self.saved_at = time.monotonic()
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.note)
+        # A world of one agrees with itself: no collective.
+        self.alone = not dist.is_initialized() or dist.get_world_size() == 1
         # With GPUs the flags go over the CPU: no GPU synchronisation every step.
         self.group = None
-        if dist.is_initialized() and dist.get_backend() != "gloo":
+        if not self.alone and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")
 
     def note(self, signum: int, frame) -> None:
@@ -43,12 +46,13 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return int(self.flags[0]), bool(self.flags[1])
+            self.values = self.flags.tolist()
+        return self.values[0], bool(self.values[1])
 
     def save_timer_fired(self) -> bool:
         """After agreed(): did the --save-minutes timer fire on some rank as this step began? Then
         every rank saves after it, and the timer starts again."""
-        if not self.flags[2]:
+        if not self.values[2]:
             return False
         self.saved_at = time.monotonic()
         return True
@@ -61,8 +65,7 @@ class StopSignal:
         every rank with its line."""
         batches = iter(batches)
         step = first_step
-        batch = None
-        ahead = None
+        batch = ahead = None
         error = ""
         if step < steps:
             ahead, error = next_batch(batches)
@@ -71,8 +74,9 @@ class StopSignal:
             # batch, 2 where one could not read it.
             lacking = 2 if error else int(ahead is None)
             due = self.save_seconds > 0 and time.monotonic() - self.saved_at >= self.save_seconds
-            self.flags = torch.tensor([self.signal, lacking, int(due)])
-            if dist.is_initialized():
+            self.values = [self.signal, lacking, int(due)]
+            if not self.alone:
+                self.flags = torch.tensor(self.values)
                 self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
             if step > first_step:
                 yield step, batch
@@ -84,7 +88,7 @@ class StopSignal:
             ahead = None
             if step < steps:
                 ahead, error = next_batch(batches)
-        if self.flags[1] == 2:
+        if self.values[1] == 2:
             raise UsageError(next(e for e in all_gather_objects(error) if e))
         if step == 0:
             raise UsageError(
