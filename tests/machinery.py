@@ -1,16 +1,20 @@
 """What the scripts' machinery costs a step: rank 0's main-thread CPU time per training step of distributed.py
 against the textbook DDP loop fed the same data (the same tensors, batch, model, SGD and schedule), on 1 and on 2
-processes. Each run notes time.thread_time() at every training forward (a forward pre-hook on the model); a step is
-the median of the differences after the first 50 steps, so a record's step or a stray wait does not move it. Both
-load their batches in one DataLoader worker, so that the main thread does what the step does, and compute on one
-thread (OMP_NUM_THREADS=1).
+processes. Each run notes time.thread_time() at every training forward (a forward pre-hook on the model), at the
+forward's end and around the optimizer's step; a step is the median of the differences after the first 50 steps, so
+a record's step or a stray wait does not move it. Both load their batches in one DataLoader worker, so that the main
+thread does what the step does, and compute on one thread (OMP_NUM_THREADS=1).
+
+This machine's speed drifts by a third from one run to the next, more than the machinery costs; the forward and the
+optimizer's step are the same work in both loops, so the ratio of their times is the ratio of the two runs' speeds,
+and the machinery is our step less the textbook's step scaled by it (the last column; the plain difference beside it).
 
     python tests/machinery.py                            # this repository's distributed.py
     python tests/machinery.py --roots . ../old-checkout  # and another version of it, for a before-and-after
 
 Each round runs the textbook loop and each version once, in turn. It prints a table: per world size and version,
-the median step of the textbook loop and of ours, and the median of the rounds' differences (the machinery), with
-their range.
+the median step of the textbook loop and of ours, their difference and the machinery at the same speed, medians of
+the rounds with their range.
 """
 
 from __future__ import annotations
