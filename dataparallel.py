@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, ranks
+from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, ranks
 from utils import seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
@@ -323,6 +323,8 @@ def main(teardown: ExitStack) -> None:
     optimizer = optimizers.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
+    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
+    peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, max(len(gpus), 1))
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
@@ -374,7 +376,7 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
-from utils import ranks, seeds, stalls, stops, workers
+from utils import peaks, ranks, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -457,6 +457,8 @@ def main(teardown: ExitStack) -> None:
     )
     log.info(f"autocast {amp_dtype}, gradient scaling {'on' if scaler.is_enabled() else 'off'}")
 
+    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
+    peak_tflops = peaks.peak_tflops(device, amp_dtype, args.peak_tflops, world_size)
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
@@ -511,7 +513,7 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never

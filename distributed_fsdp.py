@@ -27,7 +27,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
-from utils import ranks, seeds, stalls, stops, workers
+from utils import peaks, ranks, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -740,6 +740,10 @@ def main(teardown: ExitStack) -> None:
     scaler = ShardedGradScaler(
         device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
     )
+    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
+    peak_tflops = peaks.peak_tflops(
+        device, amp_dtype or torch.float32, args.peak_tflops, world_size
+    )
     # --ema: a moving average of this rank's shards, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
@@ -788,7 +792,7 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)

@@ -661,15 +661,16 @@ def code_lines(path: Path) -> int:
 # the loop's state in one object (the Training dataclass: a statement a field, 11 to 13, its
 # docstring and its construction in main), train_one_epoch, evaluate and save_checkpoint top-level
 # functions with docstrings, the epoch's line written in main's loop before save_checkpoint: + 24
-# to + 26; Slurm's variables read by one ranks call: - 3 where a script reads them.
+# to + 26; Slurm's variables read by one ranks call: - 3 where a script reads them. Issue 65 (where
+# the time goes): + 1, the peak that each epoch's MFU is measured against.
 SCRIPT_LINES = {
-    "dataparallel.py": 195,
-    "distributed.py": 230,
-    "distributed_mp.py": 266,
-    "distributed_amp.py": 247,
-    "distributed_grad_accum.py": 255,
-    "distributed_fsdp.py": 377,
-    "distributed_diloco.py": 230 + 51,
+    "dataparallel.py": 196,
+    "distributed.py": 231,
+    "distributed_mp.py": 267,
+    "distributed_amp.py": 248,
+    "distributed_grad_accum.py": 256,
+    "distributed_fsdp.py": 378,
+    "distributed_diloco.py": 231 + 51,
 }
 
 
@@ -700,7 +701,8 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     each record), issue 62 (57: seeds.py, each sample's and each rank's random streams seeded by where they
     are) and issue 64 (21: a step's counts kept on the host, not copied to the device; a host tensor pinned
     before its copy; the moving average in one foreach call over tensor lists made once, nothing without --ema;
-    and 8 for Slurm's variables, read in one call that five scripts made themselves, 3 statements each)."""
+    and 8 for Slurm's variables, read in one call that five scripts made themselves, 3 statements each) and issue
+    65 (30: peaks.py, the table of GPUs' dense peaks that an epoch's MFU is measured against, and --peak-tflops)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
@@ -708,7 +710,8 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
-        sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= 1476 + 43 + 57 + 21 + 8
+        sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
+        <= 1476 + 43 + 57 + 21 + 8 + 30
     )
     imports = {}
     for name, path in modules.items():

@@ -194,6 +194,14 @@ def build_parser(description: str) -> ArgumentParser:
         action="store_true",
         help="NHWC model and images (faster on Tensor Cores)",
     )
+    add(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="T",
+        help="a GPU's dense peak TFLOP/s at the run's precision, for the epoch's mfu (default: from"
+        " a table of known GPUs; none on a CPU)",
+    )
     add("--compile", action="store_true", help="compile the model with torch.compile")
     add(
         "--compile-mode",
