@@ -15,7 +15,7 @@ log = logging.getLogger("train")
 # matched on torch.cuda.get_device_name() in this order (a variant before its family); None where
 # the GPU has no such tensor core. From NVIDIA's data sheets, whose tensor-core figures are "with
 # sparsity" (halved here): H100 SXM 1979, PCIe 1513, NVL 1671 bfloat16; H200 1979, NVL 1671; A100
-# 624; L40S 733; L4 242; A10 250; V100 SXM2 125, PCIe 112 float16 (dense); T4 65 float16 (dense).
+# 624; L4 242; A10 250; L40S 362 (dense); V100 SXM2 125, PCIe 112 and T4 65 float16 (dense).
 PEAKS = [
     (r"\bH100\b.*\bNVL\b", 835.5, 835.5, 417.5, 60.0),
     (r"\bH100\b.*\bPCIe\b", 756.5, 756.5, 378.0, 51.0),
@@ -23,7 +23,7 @@ PEAKS = [
     (r"\bH200\b.*\bNVL\b", 835.5, 835.5, 417.5, 60.0),
     (r"\bH200\b", 989.5, 989.5, 494.5, 67.0),
     (r"\bA100\b", 312.0, 312.0, 156.0, 19.5),
-    (r"\bL40S\b", 366.5, 366.5, 183.0, 91.6),
+    (r"\bL40S\b", 362.0, 362.0, 183.0, 91.6),
     (r"\bL4\b", 121.0, 121.0, 60.0, 30.3),
     (r"\bA10\b", 125.0, 125.0, 62.5, 31.2),
     (r"\bV100\b.*\bPCIE\b", None, 112.0, None, 14.0),
