@@ -403,6 +403,7 @@ def main(teardown: ExitStack) -> None:
         device_ids=[local_rank] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=args.find_unused_parameters,
+        # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
