@@ -18,8 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, ranks
-from utils import seeds, stalls, stops, workers
+from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
+from utils import ranks, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -417,6 +417,8 @@ def main(teardown: ExitStack) -> None:
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, world_size)
+    # --profile A:B: torch.profiler over those optimizer steps, its phases marked, a trace a rank
+    teardown.enter_context(profiles.StepProfiler(args.profile, model, optimizer, output_dir, rank))
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq

@@ -27,7 +27,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
-from utils import peaks, ranks, seeds, stalls, stops, workers
+from utils import peaks, profiles, ranks, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -744,6 +744,8 @@ def main(teardown: ExitStack) -> None:
     peak_tflops = peaks.peak_tflops(
         device, amp_dtype or torch.float32, args.peak_tflops, world_size
     )
+    # --profile A:B: torch.profiler over those optimizer steps, its phases marked, a trace a rank
+    teardown.enter_context(profiles.StepProfiler(args.profile, model, optimizer, output_dir, rank))
     # --ema: a moving average of this rank's shards, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq

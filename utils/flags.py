@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .errors import UsageError
+from .profiles import steps_to_profile
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -202,6 +203,13 @@ def build_parser(description: str) -> ArgumentParser:
         help="a GPU's dense peak TFLOP/s at the run's precision, for the epoch's mfu (default: from"
         " a table of known GPUs; none on a CPU)",
     )
+    add(
+        "--profile",
+        default=None,
+        metavar="A:B",
+        help="torch.profiler over optimizer steps A to B of the run, the step's phases marked: a"
+        " Chrome trace a rank in OUTPUT_DIR/profile/",
+    )
     add("--compile", action="store_true", help="compile the model with torch.compile")
     add(
         "--compile-mode",
@@ -251,6 +259,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
     if args.compile_mode is not None:
         args.compile = True
+    steps_to_profile(args.profile)  # a --profile that names no steps ends here
     # Optional packages are checked before any data or model is built.
     # torch.utils.tensorboard imports tensorboard.
     for flag, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):

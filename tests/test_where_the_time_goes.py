@@ -1,13 +1,16 @@
-"""MFU in each epoch's line: the achieved TFLOP/s over the dense peak of the run's GPUs at its precision, from a
-table matched on the GPU's name, or --peak-tflops; a CPU, or a GPU the table does not hold, writes no mfu and the
-start says why, once."""
+"""Where the time goes. MFU in each epoch's line: the achieved TFLOP/s over the dense peak of the run's GPUs at its
+precision, from a table matched on the GPU's name, or --peak-tflops; a CPU, or a GPU the table does not hold, writes
+no mfu and the start says why, once. --profile A:B: a torch.profiler trace of those steps a rank, the step's phases
+marked in it; without it, nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from processes import TINY, metrics, run_parallel, torchrun
+import json
+
+from processes import TINY, ends_every_rank_with, metrics, run, run_parallel, torchrun
 from utils import peaks
 
 # (torch.cuda.get_device_name(), bfloat16, float16, float32 with TF32, float32 without) as NVIDIA's data sheets give
@@ -62,8 +65,59 @@ def test_a_cpu_run_writes_no_mfu_and_says_why_once_and_a_given_peak_gives_one(tm
     assert unknown.stdout.splitlines().count(why) == 1, unknown.stdout
     assert "mfu" not in unknown.stdout.replace(why, "")
     assert all("mfu" not in m and m["tflops"] > 0 for m in metrics(tmp_path / "unknown"))
+    assert not (tmp_path / "unknown" / "profile").exists()  # no --profile: no trace
     assert given.stdout.splitlines().count("mfu over 2 x 0.002 TFLOP/s (--peak-tflops)") == 1
     epochs = metrics(tmp_path / "given")
     assert len(epochs) == 2
     for m in epochs:
         assert m["tflops"] > 0 and m["mfu"] == pytest.approx(m["tflops"] / (2 * 0.002), rel=1e-9)
+
+
+PHASES = ["data", "forward", "loss + backward", "optimizer"]
+
+
+def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):
+    """--profile 3:5 on 2 processes: profile/rank0.json and rank1.json, each a Chrome trace (JSON) holding the
+    phases of steps 3, 4 and 5 as ranges, 3 of each, in order; one line says where they are. A --profile that names
+    no steps ends every rank with one line."""
+    result = run(
+        torchrun(
+            2,
+            "distributed.py",
+            *TINY,
+            "--epochs",
+            "1",
+            "--profile",
+            "3:5",
+            "--output-dir",
+            tmp_path / "out",
+        )
+    )
+    lines = [
+        line for line in result.stdout.splitlines() if line.startswith("profile of steps 3-5: ")
+    ]
+    assert lines == [
+        f"profile of steps 3-5: {tmp_path / 'out' / 'profile'}/rank*.json, one a rank (open in "
+        "https://ui.perfetto.dev, or with Holistic Trace Analysis)"
+    ], result.stdout
+    assert sorted(p.name for p in (tmp_path / "out" / "profile").iterdir()) == [
+        "rank0.json",
+        "rank1.json",
+    ]
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "out" / "profile" / f"rank{rank}.json").read_text())[
+            "traceEvents"
+        ]
+        ranges = sorted(
+            (e["ts"], e["name"]) for e in events if e.get("ph") == "X" and e["name"] in PHASES
+        )
+        assert [name for _, name in ranges] == PHASES * 3, ranges
+    wrong = run(
+        torchrun(
+            2, "distributed.py", *TINY, "--profile", "5:3", "--output-dir", tmp_path / "wrong"
+        ),
+        check=False,
+    )
+    ends_every_rank_with(
+        wrong, "error: --profile 5:3: give the first and last step as A:B, 1 <= A <= B"
+    )
