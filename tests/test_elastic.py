@@ -317,7 +317,7 @@ def test_a_batch_smaller_than_the_world_or_than_its_micro_batches_ends_in_one_li
             uneven,
             "error: --batch-size 32 does not split into 3 micro-batches: use a multiple of --accum-steps",
         ),
-        (minutes, "error: --timeout, --clip-grad and --save-minutes must be > 0"),
+        (minutes, "error: --timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0"),
     ):
         assert result.returncode != 0 and "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1] == line

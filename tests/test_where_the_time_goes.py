@@ -79,7 +79,7 @@ PHASES = ["data", "forward", "loss + backward", "optimizer"]
 def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):
     """--profile 3:5 on 2 processes: profile/rank0.json and rank1.json, each a Chrome trace (JSON) holding the
     phases of steps 3, 4 and 5 as ranges, 3 of each, in order; one line says where they are. A --profile that names
-    no steps ends every rank with one line."""
+    no steps, or a peak that is not positive, ends every rank with one line."""
     result = run(
         torchrun(
             2,
@@ -112,12 +112,26 @@ def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):
             (e["ts"], e["name"]) for e in events if e.get("ph") == "X" and e["name"] in PHASES
         )
         assert [name for _, name in ranges] == PHASES * 3, ranges
-    wrong = run(
-        torchrun(
-            2, "distributed.py", *TINY, "--profile", "5:3", "--output-dir", tmp_path / "wrong"
-        ),
+    wrong_steps, wrong_peak = run_parallel(
+        [
+            (
+                torchrun(
+                    2, "distributed.py", *TINY, "--profile", "5:3", "--output-dir", tmp_path / "a"
+                ),
+                {},
+            ),
+            (
+                torchrun(
+                    2, "distributed.py", *TINY, "--peak-tflops", "0", "--output-dir", tmp_path / "b"
+                ),
+                {},
+            ),
+        ],
         check=False,
     )
     ends_every_rank_with(
-        wrong, "error: --profile 5:3: give the first and last step as A:B, 1 <= A <= B"
+        wrong_steps, "error: --profile 5:3: give the first and last step as A:B, 1 <= A <= B"
+    )
+    ends_every_rank_with(
+        wrong_peak, "error: --timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0"
     )

@@ -249,9 +249,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers is not None and args.workers < 0) or args.seed < 0:
         raise UsageError("--workers and --seed must be >= 0")
-    positive = (args.clip_grad, args.save_minutes)
+    positive = (args.clip_grad, args.save_minutes, args.peak_tflops)
     if args.timeout <= 0 or any(value is not None and value <= 0 for value in positive):
-        raise UsageError("--timeout, --clip-grad and --save-minutes must be > 0")
+        raise UsageError("--timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0")
     if not 0 <= args.warmup < 1:
         raise UsageError("--warmup must be in [0, 1)")
     if args.ema is not None and not 0 <= args.ema < 1:
