@@ -389,6 +389,7 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
         images_per_s=statistics.median(statistics.mean(r) for r in rates),
         best=max(max(r) for r in rates),
         tflops=last.get("tflops"),
+        mfu=last.get("mfu"),
         state_mb=(
             sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
             if "params_mb" in last
@@ -407,18 +408,19 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
 def table(rows: list[tuple[Case, dict]], batch: int) -> str:
     lines = [
         "| approach | processes | global batch | s/epoch median (min-max) | first epoch s | images/s "
-        "| TFLOP/s | peak memory MB | model state MB per rank | data wait | val acc |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| TFLOP/s | MFU | peak memory MB | model state MB per rank | data wait | val acc |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for case, s in rows:
         b = f"2 x {batch // 2}" if case.launcher == "pair" else str(batch)
         tflops = "-" if s["tflops"] is None else f"{s['tflops']:.2f}"
+        mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"  # none on a CPU
         state = (
             "-" if s["state_mb"] is None else f"{s['state_mb']:.2f}"
         )  # parameters, gradients, optimizer
         lines.append(
             f"| {case.name} | {case.nproc} | {b} | {s['seconds']:.2f} ({s['low']:.2f}-{s['high']:.2f}) "
-            f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {s['peak_mem_mb']:.0f} | {state} "
+            f"| {s['first']:.2f} | {s['images_per_s']:.0f} | {tflops} | {mfu} | {s['peak_mem_mb']:.0f} | {state} "
             f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |"
         )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -484,7 +485,130 @@ def images_on_the_gpu(tmp: Path) -> None:
     )
 
 
+SYNCS_PER_STEP = '''
+import json
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from utils import builtin
+
+
+class SyncsPerStep:
+    """Each synchronizing CUDA call the sync debug mode warns of, by where it was called, written a line per
+    training step (from one training forward to the next) to $SYNCS."""
+
+    def __init__(self):
+        self.found, self.forwards = [], 0
+
+    def seen(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            self.found.append(f"{os.path.basename(filename)}:{lineno}")
+
+    def step_begins(self, module, inputs):
+        if not module.training:
+            return
+        if not self.forwards:
+            warnings.simplefilter("always")
+            warnings.showwarning = self.seen
+            torch.cuda.set_sync_debug_mode("warn")
+        self.forwards += 1
+        with open(os.environ["SYNCS"], "a") as f:
+            f.write(json.dumps(self.found) + "\\n")
+        self.found = []
+
+
+SYNCS = SyncsPerStep()
+
+
+def build_datasets(args):
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes):
+    model = builtin.model(args.arch, num_classes, args.image_size)
+    model.register_forward_pre_hook(SYNCS.step_begins)
+    return model
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+'''
+
+
+def no_syncs(tmp: Path) -> None:
+    """torch.cuda.set_sync_debug_mode("warn") over a run, its warnings counted per step: a step that records
+    nothing makes no synchronizing CUDA call (tests/test_host_syncs.py follows the tensors on CPU); a recording
+    step reads its numbers (and is seen to). And --profile on cuda: each rank's trace holds the GPU's kernels and the phases."""
+    from test_your_own_data import copy_with_your_functions
+
+    runs = {
+        "distributed.py": [],
+        "distributed_amp.py bfloat16": ["--amp-dtype", "bfloat16"],
+        "distributed_amp.py float16": ["--amp-dtype", "float16"],
+        "distributed_fsdp.py": [],
+    }
+    for name, flags in runs.items():
+        folder = tmp / ("syncs-" + name.replace(" ", "-"))
+        copy = copy_with_your_functions(name.split()[0], folder, SYNCS_PER_STEP)
+        counts = folder / "syncs.jsonl"
+        # 32 steps of 1 epoch: records at 10, 20, 30 and 32
+        run(
+            python(
+                copy,
+                *TINY,
+                "--epochs",
+                "1",
+                "--workers",
+                "1",
+                *flags,
+                "--output-dir",
+                folder / "out",
+            ),
+            env={"SYNCS": str(counts)},
+            cwd=folder,
+        )
+        intervals = [json.loads(line) for line in counts.read_text().splitlines()]
+        steps = {s: intervals[s + 1] for s in range(1, len(intervals) - 1)}
+        quiet = {s: found for s, found in steps.items() if s not in (10, 20, 30) and found}
+        read = sum(len(steps[s]) for s in (10, 20, 30)) / 3
+        check(
+            f"{name}: no sync in a step that records nothing",
+            len(steps) == 31 and not quiet and read > 0,
+            f"{len(steps)} steps, {sum(map(len, quiet.values()))} syncs in {len(quiet)} of the 28 quiet steps "
+            f"{sorted(set(sum(quiet.values(), [])))[:4]}, {read:.0f} in a recording step",
+        )
+    out = tmp / "profiled"
+    result = run(
+        python(
+            "distributed_amp.py",
+            *TINY,
+            "--epochs",
+            "1",
+            "--amp-dtype",
+            "bfloat16",
+            "--profile",
+            "3:5",
+            "--output-dir",
+            out,
+        )
+    )
+    events = json.loads((out / "profile" / "rank0.json").read_text())["traceEvents"]
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    named = ("data", "forward", "loss + backward", "optimizer")
+    phases = [e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"] in named]
+    mfu = [line for line in result.stdout.splitlines() if "mfu" in line][:1]
+    check(
+        "--profile 3:5 on cuda: the GPU's kernels and the phases",
+        kernels > 0 and len(phases) == 12,
+        f"{kernels} kernels, ranges {phases[:4]}; {mfu}",
+    )
+
+
 SECTIONS = {
+    "syncs": no_syncs,
     "images": images_on_the_gpu,
     "task": your_task_on_the_gpu,
     "stall": a_stall_on_the_gpu,

@@ -34,7 +34,8 @@ def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
     for row in rows[1:]:
         seconds, first, images_per_s = (row.split("|")[i] for i in (4, 5, 6))
         assert float(seconds.split()[0]) > 0 and float(first) > 0 and float(images_per_s) > 0, row
-        assert row.startswith("| textbook loop") or float(row.split("|")[9]) > 0, (
+        assert row.split("|")[8].strip() == "-", row  # no MFU on a CPU: no known peak
+        assert row.startswith("| textbook loop") or float(row.split("|")[10]) > 0, (
             row
         )  # the model state per rank
     assert any(row.startswith("| textbook loop") for row in rows)
