@@ -432,6 +432,9 @@ def main(teardown: ExitStack) -> None:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
+    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    step_phases = profiles.StepPhases(device)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(
@@ -442,9 +445,12 @@ def main(teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
-    # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
+    # the gradients' all-reduce as DDP makes it (--comm-hook bf16: as bfloat16, half the bytes),
+    # its last bucket timed: when this rank's gradients leave
+    hook = default_hooks.allreduce_hook
     if args.comm_hook:
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        hook = default_hooks.bf16_compress_hook
+    model.register_comm_hook(None, step_phases.timed_hook(hook))
     if args.compile:
         # DDP's buckets split the compiled graph
         model = torch.compile(model, mode=args.compile_mode)
@@ -460,13 +466,15 @@ def main(teardown: ExitStack) -> None:
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(device, amp_dtype, args.peak_tflops, world_size)
-    # --profile A:B: torch.profiler over those optimizer steps, its phases marked, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, model, optimizer, output_dir, rank))
+    # the phases marked by the model's forward hook and the optimizer's step hook
+    step_phases.watch(model, optimizer)
+    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
     run = Training(
         args=args,
         model=model,

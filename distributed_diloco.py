@@ -365,6 +365,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             global_step % args.inner_steps == 0
             or global_step == args.epochs * run.recorder.steps_per_epoch
         ):
+            run.recorder.phases.enter(profiles.OUTER)  # timed as a phase of its own
             run.diloco.step(global_step)
             run.ema.update()  # --ema: the average moves toward the synchronised weights
         meter.update(loss, outputs, targets, num_samples)
@@ -528,13 +529,18 @@ def main(teardown: ExitStack) -> None:
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, world_size)
-    # --profile A:B: torch.profiler over those optimizer steps, its phases marked, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, model, optimizer, output_dir, rank))
+    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
+    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    step_phases = profiles.StepPhases(device, outer=True)
+    # the phases marked by the model's forward hook and the optimizer's step hook
+    step_phases.watch(model, optimizer)
+    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
     run = Training(
         args=args,
         model=model,

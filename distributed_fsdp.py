@@ -744,13 +744,18 @@ def main(teardown: ExitStack) -> None:
     peak_tflops = peaks.peak_tflops(
         device, amp_dtype or torch.float32, args.peak_tflops, world_size
     )
-    # --profile A:B: torch.profiler over those optimizer steps, its phases marked, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, model, optimizer, output_dir, rank))
+    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
+    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    step_phases = profiles.StepPhases(device)
+    # the phases marked by the model's forward hook and the optimizer's step hook
+    step_phases.watch(model, optimizer)
+    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
     # --ema: a moving average of this rank's shards, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
     run = Training(
         args=args,
         model=model,

@@ -1,4 +1,5 @@
-"""Where the time goes. MFU in each epoch's line: the achieved TFLOP/s over the dense peak of the run's GPUs at its
+"""Where the time goes. Each record's phases a step on every rank, and the rank slower than the others in its own
+work named with its phase; MFU in each epoch's line: the achieved TFLOP/s over the dense peak of the run's GPUs at its
 precision, from a table matched on the GPU's name, or --peak-tflops; a CPU, or a GPU the table does not hold, writes
 no mfu and the start says why, once. --profile A:B: a torch.profiler trace of those steps a rank, the step's phases
 marked in it; without it, nothing."""
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 import json
+import re
 
-from processes import TINY, ends_every_rank_with, metrics, run, run_parallel, torchrun
+from processes import TINY, ends_every_rank_with, metrics, run, run_parallel, steps, torchrun
+from test_your_own_data import copy_with_your_functions
 from utils import peaks
 
 # (torch.cuda.get_device_name(), bfloat16, float16, float32 with TF32, float32 without) as NVIDIA's data sheets give
@@ -73,7 +76,110 @@ def test_a_cpu_run_writes_no_mfu_and_says_why_once_and_a_given_peak_gives_one(tm
         assert m["tflops"] > 0 and m["mfu"] == pytest.approx(m["tflops"] / (2 * 0.002), rel=1e-9)
 
 
-PHASES = ["data", "forward", "loss + backward", "optimizer"]
+PHASES = ["data", "forward + loss", "backward", "wait", "optimizer"]
+
+# rank 1 pauses 30 ms a step where SLOW_IN says: in the user's collate, compute_loss, a gradient hook of the
+# model's first layer (whose gradient the backward reaches last) or an optimizer step hook
+SLOW_RANK = """
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import default_collate
+
+from utils import builtin
+
+SLOW_IN = os.environ.get("SLOW_IN") if os.environ.get("RANK") == "1" else None
+
+
+def pause(where):
+    if SLOW_IN == where:
+        time.sleep(0.03)
+
+
+def build_datasets(args):
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes):
+    model = builtin.model(args.arch, num_classes, args.image_size)
+    next(model.parameters()).register_hook(lambda grad: pause("backward"))
+    register_optimizer_step_post_hook(lambda *_: pause("optimizer"))
+    return model
+
+
+def compute_loss(outputs, targets):
+    pause("compute_loss")
+    return F.cross_entropy(outputs, targets)
+
+
+def collate(samples):
+    pause("collate")
+    return default_collate(samples)
+"""
+# where rank 1 pauses, and the phase its records must name
+SLOW = {
+    "collate": "data",
+    "compute_loss": "forward + loss",
+    "backward": "backward",
+    "optimizer": "optimizer",
+}
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory) -> dict:
+    """distributed.py on 2 processes with rank 1 slow in each place, and an even run: (stdout, records, epochs)."""
+    base = tmp_path_factory.mktemp("slow")
+    copy = copy_with_your_functions("distributed.py", base / "copy", SLOW_RANK)
+    flags = [*TINY, "--epochs", "1", "--print-freq", "16", "--no-augment"]
+    cases = ["even", *SLOW]
+    results = run_parallel(
+        [
+            (torchrun(2, copy, *flags, "--output-dir", base / case), {"SLOW_IN": case})
+            for case in cases
+        ],
+        timeout=300,
+    )
+    return {
+        case: (result.stdout, steps(base / case), metrics(base / case))
+        for case, result in zip(cases, results)
+    }
+
+
+@pytest.mark.parametrize("where", SLOW)
+def test_a_slow_rank_is_named_with_its_phase_in_each_record_and_the_epochs_line(where, slow_runs):
+    """Rank 1 paused 30 ms a step in its data, forward, backward or optimizer step: each record and the epoch's line
+    name it, with that phase, against the other rank's time there; the other rank's wait is not its own work."""
+    stdout, records, epochs = slow_runs[where]
+    trained = [r for r in records if "phase_ms" in r]
+    assert len(trained) == 2 and len(epochs) == 1
+    for record in [*trained, *epochs]:
+        slow = record["slow"]
+        assert slow is not None and (slow["rank"], slow["phase"]) == (1, SLOW[where]), record
+        assert slow["ms"] == record["phase_ms"][SLOW[where]][1] > 25
+        assert slow["median_ms"] == record["phase_ms"][SLOW[where]][0] < 15
+    line = next(line for line in stdout.splitlines() if line.startswith("epoch 1/1 train_loss"))
+    assert re.search(
+        rf"; rank 1 slow: {re.escape(SLOW[where])} \d+\.\d ms a step against a median of \d+\.\d ms$",
+        line,
+    ), line
+
+
+def test_an_even_run_names_no_rank_and_its_phases_add_up_to_its_steps(slow_runs):
+    """Without a pause no rank is named, in any record or the epoch's line; each record's phases, on each rank, add up
+    to its steps' time (the global batch over its images/s), within 5% (or 1 ms) a step."""
+    stdout, records, epochs = slow_runs["even"]
+    trained = [r for r in records if "phase_ms" in r]
+    assert len(trained) == 2 and all(r["slow"] is None for r in [*trained, *epochs])
+    assert " slow: " not in stdout
+    for record in trained[1:]:  # the first holds the first steps' warm-up
+        step_ms = 1000 * 32 / record["images_per_s"]
+        for rank in (0, 1):
+            total = sum(times[rank] for times in record["phase_ms"].values())
+            assert abs(total - step_ms) < max(1.0, 0.05 * step_ms), (rank, total, step_ms, record)
+        assert list(record["phase_ms"]) == PHASES
 
 
 def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):

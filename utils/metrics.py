@@ -23,6 +23,7 @@ from .batches import class_indices, count_to_device, logits
 from .checkpoints import append_metrics, write_atomically
 from .checks import check_finite
 from .errors import UsageError
+from .profiles import DATA, FORWARD, StepPhases, slow_line
 from .ranks import (
     all_gather_objects,
     all_reduce,
@@ -69,7 +70,13 @@ def zero_sums(device: torch.device | str = "cpu") -> torch.Tensor:
 class Meter:
     """An epoch's Sums on this rank, its time, and how long this rank waited for its data."""
 
-    def __init__(self, device: torch.device, saved: dict | None = None, rank: int = 0):
+    def __init__(
+        self,
+        device: torch.device,
+        saved: dict | None = None,
+        rank: int = 0,
+        phases: StepPhases | None = None,
+    ):
         # Continued mid-epoch, rank 0 holds what all ranks had summed at the checkpoint, and what
         # the last record had read, so the records go on as before.
         self.before = zero_sums()
@@ -93,6 +100,8 @@ class Meter:
         # When, and at which sums, the last record read the speed.
         self.marked_at = self.start
         self.marked_sums = self.before
+        # Each step's phases on this rank (training's; a validation meter's are never read).
+        self.phases = phases or StepPhases(torch.device("cpu"))
 
     def update(self, loss, outputs, targets, samples: int) -> None:
         """Add a batch: its loss (a mean, or a (sum, count) pair), and its accuracy where the
@@ -130,37 +139,43 @@ class Meter:
         except UsageError as e:
             self.error = str(e)
 
-    def all_ranks_sums(self) -> torch.Tensor:
-        """Every rank calls it at the same step (an all-reduce): the sums over all ranks, on the
-        CPU; where a rank could not read a batch, every rank ends with its line."""
-        failed = self.sums.new_tensor([float(bool(self.error))])
-        # Read back to the host (a sync with the GPU): at a record, a save and an epoch's end only.
-        both = all_reduce(torch.cat([self.all_sums(), failed])).cpu()
-        if both[SUMS]:
-            raise UsageError(next(e for e in all_gather_objects(self.error) if e))
-        # In a tensor of their own, which a checkpoint keeps as it is.
-        return both[:SUMS].clone()
-
-    def all_ranks(self) -> Sums:
-        """Every rank calls it (an all-reduce): the sums over all ranks."""
-        return Sums.of(self.all_ranks_sums())
-
-    def since_record(self) -> dict:
-        """Every rank calls it (an all-reduce): loss, accuracy and speed since the last record
-        (items/s of a (sum, count) loss too), and the longest wait of a rank for its data and that
-        rank (the slow one)."""
+    def all_ranks_sums(self, row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank calls it at the same step (one all-reduce): the sums over all ranks, and a
+        table of each rank's row (this rank's: row), both on the CPU; where a rank could not read
+        a batch, every rank ends with its line."""
         rank = 0
         if dist.is_initialized():
             rank = dist.get_rank()
-        waits = torch.zeros(world_size(), dtype=torch.float64, device=self.sums.device)
-        # Each rank its own place: the sum holds every rank's wait exactly.
-        waits[rank] = self.data_wait - self.data_wait_recorded
-        # One collective for both, read back to the host (a sync with the GPU: a recording step's
-        # only one, with the gradients' norm); the sums apart after it, in a tensor of their own
-        # that a checkpoint keeps as it is.
-        both = all_reduce(torch.cat([self.all_sums(), waits])).cpu()
-        now = both[:SUMS].clone()
-        waits = both[SUMS:].clone()
+        if row is None:
+            row = torch.zeros(0, dtype=torch.float64)
+        table = torch.zeros(world_size(), 1 + len(row), dtype=torch.float64)
+        # Each rank its own row: the sum holds every rank's exactly.
+        table[rank, 0] = float(bool(self.error))
+        table[rank, 1:] = row
+        # Read back to the host (a sync with the GPU): at a record, a save and an epoch's end only.
+        both = all_reduce(torch.cat([self.all_sums(), table.flatten().to(self.sums.device)]))
+        both = both.cpu()
+        table = both[SUMS:].view(world_size(), -1)
+        if table[:, 0].any():
+            raise UsageError(next(e for e in all_gather_objects(self.error) if e))
+        # The sums in a tensor of their own, which a checkpoint keeps as it is.
+        return both[:SUMS].clone(), table[:, 1:]
+
+    def all_ranks(self) -> Sums:
+        """Every rank calls it (an all-reduce): the sums over all ranks."""
+        return Sums.of(self.all_ranks_sums()[0])
+
+    def since_record(self) -> dict:
+        """Every rank calls it (an all-reduce): loss, accuracy and speed since the last record
+        (items/s of a (sum, count) loss too), the longest wait of a rank for its data and that
+        rank, and each rank's phases, ms a step, with the slow rank."""
+        row = torch.cat(
+            [torch.tensor([self.data_wait - self.data_wait_recorded]), self.phases.read()]
+        )
+        # One collective for all, read back to the host (a sync with the GPU: a recording step's
+        # only one, with the gradients' norm and the phases' events).
+        now, table = self.all_ranks_sums(row)
+        waits = table[:, 0]
         seconds = time.perf_counter() - self.marked_at
         since = Sums.of(now - self.recorded)
         moved = Sums.of(now - self.marked_sums)
@@ -177,12 +192,14 @@ class Meter:
             record["items_per_s"] = moved.items / seconds
         record["data_wait_max_s"] = waits.max().item()
         record["data_wait_rank"] = int(waits.argmax())
-        return record
+        return dict(**record, **self.phases.summary(table[:, 1:]))
 
     def epoch_record(self) -> dict:
         """Every rank calls it (an all-reduce): the epoch's loss and accuracy over all ranks, its
-        time and this run's speed."""
-        totals = self.all_ranks()
+        time, this run's speed, and each rank's phases with the slow rank."""
+        self.phases.pause()
+        sums, table = self.all_ranks_sums(self.phases.epoch_read())
+        totals = Sums.of(sums)
         seconds = time.perf_counter() - self.start
         samples = totals.samples - Sums.of(self.before).samples
         return dict(
@@ -191,14 +208,19 @@ class Meter:
             epoch_time_s=seconds,
             images_per_s=samples / seconds,
             data_wait_s=self.data_wait,
+            **self.phases.summary(table),
         )
 
     def timed(self, iterable):
-        """Yield from iterable, adding the time each item took to arrive to data_wait."""
+        """Yield from iterable, adding the time each item took to arrive to data_wait; the
+        phases' data."""
+        self.phases.begin()
         asked = time.perf_counter()
         for item in iterable:
             self.data_wait += time.perf_counter() - asked
+            self.phases.enter(FORWARD)
             yield item
+            self.phases.enter(DATA)
             asked = time.perf_counter()
 
 
@@ -207,8 +229,9 @@ class StepRecords:
     steps; a continued run's records go on as if it had never stopped. Every rank builds it (its
     W&B run id is gathered from all)."""
 
-    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int):
+    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int, phases: StepPhases):
         self.path = output_dir / "steps.jsonl"
+        self.phases = phases
         self.args = args
         self.rank = rank
         self.steps_per_epoch = steps_per_epoch
@@ -226,7 +249,7 @@ class StepRecords:
         saved = None
         if first_step:
             saved = self.saved
-        self.meter = Meter(device, saved, self.rank)
+        self.meter = Meter(device, saved, self.rank, self.phases)
         return self.meter
 
     def all_ranks_state_dict(self) -> dict:
@@ -234,7 +257,7 @@ class StepRecords:
         checkpoint."""
         state = dict(self.saved)
         if self.meter is not None:
-            state["sums"] = self.meter.all_ranks_sums()
+            state["sums"] = self.meter.all_ranks_sums()[0]
             state["recorded"] = self.meter.recorded
         return state
 
@@ -295,7 +318,7 @@ class StepRecords:
         """Every rank calls it at the same step: a record of values at this step, and its console
         line; a failed write ends all ranks."""
         where = f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch}"
-        log.info(f"{where} {format_record(values)}{suffix}")
+        log.info(f"{where} {format_record(values)}{suffix}{slow_line(values)}")
         global_step = epoch * self.steps_per_epoch + step
         # the processes that took the step: an elastic run's change shows
         values = {**values, "world_size": world_size()}
@@ -320,7 +343,7 @@ class StepRecords:
         seconds = record["epoch_time_s"]
         speed = record["images_per_s"]
         where = f"epoch {record['epoch']}/{self.args.epochs}"
-        log.info(f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s")
+        log.info(f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s{slow_line(record)}")
 
 
 def format_record(record: dict, *keys: str) -> str:
@@ -329,7 +352,7 @@ def format_record(record: dict, *keys: str) -> str:
     parts = []
     for key in keys or record:
         value = record.get(key)
-        if value is None:
+        if not isinstance(value, (int, float)):  # phase_ms and slow: slow_line's
             continue
         if re.search("(loss|acc)(_ema)?$", key):
             parts.append(f"{key} {value:.4f}")

@@ -1,21 +1,185 @@
-"""--profile A:B: torch.profiler over optimizer steps A to B of a run, one Chrome trace per rank
-(OUTPUT_DIR/profile/rank{r}.json), the step's phases marked in it as ranges: data, forward, loss +
-backward, optimizer. Off, it registers nothing and costs nothing.
+"""Where a step's time goes, on each rank. Its phases (StepPhases), timed every step, gathered
+from all ranks at each record (in the record's own all-reduce) and read as milliseconds a step; a
+rank whose own work is slower than the others' is named with its phase. A CPU's phases are timed
+by the host's clock, a GPU's by CUDA events read back only at a record, so a step that records
+nothing waits for nothing. And --profile A:B: torch.profiler over optimizer steps A to B of a run,
+one Chrome trace per rank (OUTPUT_DIR/profile/rank{r}.json), the phases in it as ranges of the
+same names; off, it watches nothing and costs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
+import time
 from pathlib import Path
 
+import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.profiler import profile
 
 from .errors import UsageError
+from .internals import tree_flatten
 
 log = logging.getLogger("train")
+
+# A step's phases, in order: waiting for the batch; the forward and the loss, up to the first
+# gradient at the model's outputs; the backward, up to this rank's gradients leaving (DDP's last
+# bucket handed to its all-reduce); the wait for the other ranks' gradients (and the agreement
+# on stopping); the optimizer's step and what follows it (the moving average, the schedule, the
+# records). DiLoCo adds its outer step, every H steps.
+PHASES = ("data", "forward + loss", "backward", "wait", "optimizer", "outer")
+DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, OUTER = range(len(PHASES))
+# A rank is slow in a phase of its own work where its time there exceeds the other ranks' median
+# by over a fifth of a step (and 1 ms): each step, every rank waits for its excess. Even runs stay
+# below it: two ranks' phases differed by up to 12% of a step on a loaded 2-core host
+# (docs/speed.md).
+SLOW_SHARE = 0.2
+MARGIN_MS = 1.0
+
+
+class StepPhases:
+    """This rank's time in each phase, since the last record and in this epoch: Meter.timed
+    marks the data, hooks the rest (watch); one phase runs at a time, so a record's phases add
+    up to its steps' time."""
+
+    def __init__(self, device: torch.device, outer: bool = False):
+        self.names = PHASES[: OUTER + outer]
+        self.gpu = device.type == "cuda"
+        self.seconds = [0.0] * len(self.names)
+        self.steps = 0
+        self.epoch = torch.zeros(len(self.names) + 1, dtype=torch.float64)
+        self.phase = None  # none between epochs
+        self.since = None  # when it began: a clock's reading, or a CUDA event
+        self.pending = []  # on a GPU: (phase, start, end event) not yet read
+        self.free = []  # CUDA events read, to record again
+        self.watchers = []  # --profile's ranges
+        self.own = (DATA, FORWARD, BACKWARD, OPTIMIZER)  # a rank's own work
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The model's forward hook marks the backward's start, the optimizer's step hook its
+        phase."""
+        model.register_forward_hook(self.forward_ends)
+        optimizer.register_step_pre_hook(lambda *_: self.enter(OPTIMIZER))
+        # FSDP's forward and backward hold its collectives: waits for the others
+        if hasattr(getattr(model, "_orig_mod", model), "unshard"):
+            self.own = (DATA, OPTIMIZER)
+
+    def timed_hook(self, hook):
+        """DDP's communication hook around hook: its last bucket marks when this rank's gradients
+        leave (what it sends is hook's)."""
+
+        def timed(state, bucket):
+            if bucket.is_last():
+                self.enter(WAIT)
+            return hook(state, bucket)
+
+        return timed
+
+    def forward_ends(self, module: nn.Module, inputs, outputs) -> None:
+        """A training forward's end: the first gradient at its outputs begins the backward."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        for tensor in tree_flatten(outputs)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self.backward_begins)
+                return
+
+    def backward_begins(self, grad: torch.Tensor) -> None:
+        self.enter(BACKWARD)
+
+    def begin(self) -> None:
+        """An epoch's steps begin, with the first batch's data."""
+        self.phase = DATA
+        self.since = self.now()
+        self.tell(DATA)
+
+    def now(self):
+        """The host's clock; on a GPU an event recorded on the current stream (one read before,
+        where there is one)."""
+        if not self.gpu:
+            return time.perf_counter()
+        if self.free:
+            event = self.free.pop()
+        else:
+            event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def enter(self, phase: int) -> None:
+        """phase begins and the one before it ends, its time kept (between epochs, nothing)."""
+        if self.phase is None:
+            return
+        now = self.now()
+        if self.gpu:
+            self.pending.append((self.phase, self.since, now))
+        else:
+            self.seconds[self.phase] += now - self.since
+        self.steps += phase == OPTIMIZER
+        self.phase, self.since = phase, now
+        self.tell(phase)
+
+    def tell(self, phase: int | None) -> None:
+        for watcher in self.watchers:
+            watcher(phase)
+
+    def pause(self) -> None:
+        """The epoch's steps end: its last phase too."""
+        self.enter(DATA)
+        self.phase = None
+        self.tell(None)
+
+    def read(self) -> torch.Tensor:
+        """Seconds in each phase since the last read, and the steps (float64, on the CPU). On a
+        GPU it waits for the events (a sync: at a record only)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+        for phase, start, end in self.pending:
+            self.seconds[phase] += start.elapsed_time(end) / 1000
+            self.free.append(start)
+        self.pending = []
+        row = torch.tensor([*self.seconds, self.steps], dtype=torch.float64)
+        self.seconds = [0.0] * len(self.names)
+        self.steps = 0
+        self.epoch += row
+        return row
+
+    def epoch_read(self) -> torch.Tensor:
+        """read() over the whole epoch, which starts again."""
+        self.read()
+        row = self.epoch.clone()
+        self.epoch.zero_()
+        return row
+
+    def summary(self, table: torch.Tensor) -> dict:
+        """All ranks' rows (read's) as ms a step per phase, and the slow rank: where a phase of its
+        own work exceeds the other ranks' median by over SLOW_SHARE of a step and MARGIN_MS."""
+        steps = table[:, -1].clamp(min=1)
+        ms = (table[:, :-1] * 1000 / steps[:, None]).tolist()
+        phase_ms = {name: [round(row[i], 3) for row in ms] for i, name in enumerate(self.names)}
+        margin = max(MARGIN_MS, SLOW_SHARE * statistics.median(map(sum, ms)))
+        slow = None
+        for i in self.own:
+            times = phase_ms[self.names[i]]
+            for rank, time_ms in enumerate(times):
+                others = statistics.median(times[:rank] + times[rank + 1 :] or [time_ms])
+                if time_ms - others > margin:
+                    margin = time_ms - others
+                    slow = dict(rank=rank, phase=self.names[i], ms=time_ms, median_ms=others)
+        return dict(phase_ms=phase_ms, slow=slow)
+
+
+def slow_line(record: dict) -> str:
+    """The slow rank of a record in words, or nothing."""
+    slow = record.get("slow")
+    if not slow:
+        return ""
+    return (
+        f"; rank {slow['rank']} slow: {slow['phase']} {slow['ms']:.1f} ms a step against a"
+        f" median of {slow['median_ms']:.1f} ms"
+    )
 
 
 def steps_to_profile(spec: str | None) -> tuple[int, int] | None:
@@ -29,56 +193,45 @@ def steps_to_profile(spec: str | None) -> tuple[int, int] | None:
 
 
 class StepProfiler(contextlib.AbstractContextManager):
-    """With --profile A:B, the model's forward hooks and the optimizer's step hooks (all on the
-    main thread) mark each phase and start the profiler before step A's data, stop it after step
-    B's optimizer step and write this rank's trace. A context: a run that ends sooner writes what
-    it has."""
+    """With --profile A:B, the step's phases (StepPhases) as ranges of the same names: the profiler
+    starts before step A's data and stops after step B's optimizer step, writing this rank's
+    trace. A context: a run that ends sooner writes what it has."""
 
-    def __init__(self, spec, model: nn.Module, optimizer, output_dir: Path, rank: int):
+    def __init__(self, spec, phases: StepPhases, output_dir: Path, rank: int):
         self.steps = steps_to_profile(spec)
         self.path = output_dir / "profile" / f"rank{rank}.json"
-        self.profiler = None
-        self.done = 0
-        if self.steps is None:
-            return
-        model.register_forward_pre_hook(lambda module, inputs: self.enter("forward", module))
-        model.register_forward_hook(lambda module, *_: self.enter("loss + backward", module))
-        optimizer.register_step_pre_hook(lambda *_: self.enter("optimizer"))
-        optimizer.register_step_post_hook(lambda *_: self.stepped())
-        if self.steps[0] == 1:
-            self.start()
+        self.profiler = self.phase = None
+        self.done = 0  # optimizer steps begun
+        self.started = False
+        if self.steps is not None:
+            phases.watchers.append(self.enter)
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
-        """The profile begins (CPU, and CUDA where there is a GPU), with the next step's data."""
-        self.profiler = profile().__enter__()
-        self.phase = record_function("data").__enter__()
-
-    def enter(self, phase: str, module: nn.Module | None = None) -> None:
-        """While profiling, phase's range begins and the one before it ends (a training
-        forward's only)."""
-        if self.profiler is None or (module is not None and not module.training):
-            return
-        self.phase.__exit__(None, None, None)
-        self.phase = record_function(phase).__enter__()
-
-    def stepped(self) -> None:
-        """After an optimizer step: the next step's data begins, or the profile starts or ends."""
-        self.done += 1
-        if self.done == self.steps[0] - 1:
-            self.start()
-        elif self.done == self.steps[1]:
+    def enter(self, phase: int | None) -> None:
+        """A phase begins (None: the epoch's steps ended): the profile starts with step A's data,
+        ends with step B + 1's, and the range before it ends."""
+        self.done += phase == OPTIMIZER
+        if phase in (DATA, None) and self.done == self.steps[1]:
             self.stop()
-        else:
-            self.enter("data")
+        if self.phase is not None:
+            self.phase.__exit__(None, None, None)
+            self.phase = None
+        if phase == DATA and self.done == self.steps[0] - 1 and not self.started:
+            # CPU, and CUDA where there is a GPU
+            self.profiler = profile().__enter__()
+            self.started = True
+        if self.profiler is not None and phase is not None:
+            self.phase = record_function(PHASES[phase]).__enter__()
 
     def stop(self) -> None:
         """The profile ends, written as this rank's trace."""
         if self.profiler is None:
             return
-        self.phase.__exit__(None, None, None)
+        if self.phase is not None:
+            self.phase.__exit__(None, None, None)
+            self.phase = None
         self.profiler.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.path))

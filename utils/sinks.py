@@ -20,9 +20,8 @@ class TensorBoardSink:
         self.writer = tensorboard.SummaryWriter(directory, purge_step=first_step)
 
     def log_step(self, values: dict, global_step: int) -> None:
-        for key, value in values.items():
-            if value is not None:
-                self.writer.add_scalar(key, value, global_step)
+        for key, value in numbers(values).items():
+            self.writer.add_scalar(key, value, global_step)
         # On disk before a later checkpoint: a kill loses no point the checkpoint keeps.
         self.writer.flush()
 
@@ -48,11 +47,7 @@ class WandbSink:
         self.run.define_metric("*", step_metric="global_step")
 
     def log_step(self, values: dict, global_step: int) -> None:
-        row = {"global_step": global_step}
-        for key, value in values.items():
-            if value is not None:
-                row[key] = value
-        self.run.log(row)
+        self.run.log({"global_step": global_step, **numbers(values)})
 
     def log_epoch(self, record: dict, global_step: int) -> None:
         self.log_step({f"epoch/{key}": value for key, value in record.items()}, global_step)
@@ -70,3 +65,8 @@ class WandbSink:
             self.log_step(values, record["global_step"])
         for epoch in epochs:
             self.log_epoch(epoch, epoch["epoch"] * steps_per_epoch)
+
+
+def numbers(values: dict) -> dict:
+    """The values that are numbers: a record's phase table and slow rank stay in steps.jsonl."""
+    return {key: value for key, value in values.items() if isinstance(value, (int, float))}
