@@ -390,6 +390,8 @@ def summarise(runs: list[list[list[dict]]]) -> dict:
         best=max(max(r) for r in rates),
         tflops=last.get("tflops"),
         mfu=last.get("mfu"),
+        phase_ms=last.get("phase_ms"),
+        slow=last.get("slow"),
         state_mb=(
             sum(last[k] for k in ("params_mb", "grads_mb", "optimizer_mb"))
             if "params_mb" in last
@@ -424,6 +426,28 @@ def table(rows: list[tuple[Case, dict]], batch: int) -> str:
             f"| {100 * s['data_wait']:.1f}% | {s['val_acc']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def phase_table(rows: list[tuple[Case, dict]]) -> str:
+    """Each case's phases in its last epoch, ms a step: the median rank's (the slowest rank's), and the rank
+    named slow."""
+    phased = [(case, s) for case, s in rows if s["phase_ms"]]
+    if not phased:
+        return ""
+    names = list(dict.fromkeys(name for _, s in phased for name in s["phase_ms"]))
+    lines = [
+        "| approach | " + " | ".join(names) + " | slow rank |",
+        "| --- |" + " ---: |" * len(names) + " --- |",
+    ]
+    for case, s in phased:
+        cells = [
+            f"{statistics.median(ms):.2f} ({max(ms):.2f})"
+            for ms in (s["phase_ms"].get(name, [0.0]) for name in names)
+        ]
+        slow = s["slow"]
+        named = "-" if slow is None else f"rank {slow['rank']}, {slow['phase']}"
+        lines.append(f"| {case.name} | " + " | ".join(cells) + f" | {named} |")
+    return "Phases, ms a step, the median rank (the slowest):\n\n" + "\n".join(lines)
 
 
 def textbook_ratio(results: dict[str, dict], same: str) -> str:
@@ -787,6 +811,7 @@ def main() -> None:
         f"{args.repeats} runs per case.\n"
     )
     print(table([(c, results[c.name]) for c in selected], args.batch_size))
+    print("\n" + phase_table([(c, results[c.name]) for c in selected]))
     if args.quick and args.only is None:
         print("\n" + cpu_ratios(results))
     elif "DDP, 2 processes" in results and results.keys() & {

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
-from utils import errors, metrics, optimizers, stalls, stops  # noqa: E402
+from utils import errors, metrics, optimizers, profiles, stalls, stops  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -48,7 +48,11 @@ def main(teardown):
         stop=stops.StopSignal(),
         watchdog=teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
         recorder=metrics.StepRecords(
-            Path(args.output_dir), args, rank, len(loader) // args.accum_steps
+            Path(args.output_dir),
+            args,
+            rank,
+            len(loader) // args.accum_steps,
+            profiles.StepPhases(device),
         ),
     )
     script.train_one_epoch(run, 0, 0)

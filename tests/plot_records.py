@@ -1,7 +1,9 @@
 """Draw a run's steps.jsonl as an SVG: training and validation loss (log scale) and validation accuracy against the
-optimizer step. No plotting package needed; TensorBoard shows the same curves live (--tensorboard).
+optimizer step; or, with --phases, where a step's time went on each rank, a bar a rank, from the last training
+record (or the epoch line of a metrics.jsonl). No plotting package needed; TensorBoard shows the curves live.
 
     python tests/plot_records.py output/steps.jsonl --out docs/curves.svg --title "what ran"
+    python tests/plot_records.py output/steps.jsonl --phases --out docs/phases.svg --title "what ran"
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ WIDTH, PANEL, LEFT, TOP = (
     40,
 )  # pixels: the picture, one panel's height, the axis margins
 SERIES = {"train_loss": "#1f77b4", "val_loss": "#d62728", "val_acc": "#2ca02c"}
+PHASE_COLOURS = ["#8c564b", "#1f77b4", "#ff7f0e", "#bbbbbb", "#2ca02c", "#9467bd"]  # data ... outer
+BAR = 26  # pixels: a rank's bar
 
 
 def read(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -89,13 +93,56 @@ def svg(points: dict[str, list[tuple[int, float]]], title: str) -> str:
     )
 
 
+def phases_svg(record: dict, title: str) -> str:
+    """A record's phases, ms a step: a stacked bar a rank, the phases in a step's order; the slow rank named."""
+    phases = record["phase_ms"]
+    ranks = len(next(iter(phases.values())))
+    longest = max(sum(times[rank] for times in phases.values()) for rank in range(ranks))
+    scale = (WIDTH - LEFT - 20) / longest
+    height = TOP + 30 + ranks * (BAR + 8) + 50
+    body = []
+    for rank in range(ranks):
+        y, x = TOP + 30 + rank * (BAR + 8), LEFT
+        body.append(
+            f'<text x="{LEFT - 6}" y="{y + BAR - 8}" font-size="12" text-anchor="end">rank {rank}</text>'
+        )
+        for (name, times), colour in zip(phases.items(), PHASE_COLOURS):
+            width = times[rank] * scale
+            body.append(
+                f'<rect x="{x:.1f}" y="{y}" width="{width:.1f}" height="{BAR}" fill="{colour}">'
+                f"<title>{escape(name)} {times[rank]:.2f} ms</title></rect>"
+            )
+            x += width
+    slow = record.get("slow")
+    said = f"rank {slow['rank']} slow: {slow['phase']}" if slow else "no rank slow"
+    legend = [
+        f'<text x="{LEFT + 110 * i}" y="{height - 12}" font-size="12" fill="{colour}">&#9644; {escape(name)}</text>'
+        for i, (name, colour) in enumerate(zip(phases, PHASE_COLOURS))
+    ]
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif">'
+        f'<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="20" font-size="14">{escape(title)}'
+        f'</text><text x="{LEFT}" y="{TOP + 14}" font-size="12">ms a step, 0 to {longest:.1f}; {said}</text>'
+        + "".join(body + legend)
+        + "</svg>\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("steps", type=Path, help="a run's steps.jsonl")
     parser.add_argument("--out", type=Path, required=True, help="the SVG to write")
     parser.add_argument("--title", default="", help="a line above the curves: what ran")
+    parser.add_argument(
+        "--phases", action="store_true", help="instead: each rank's phases in the last record"
+    )
     args = parser.parse_args()
-    args.out.write_text(svg(read(args.steps), args.title))
+    if args.phases:
+        records = [json.loads(line) for line in args.steps.read_text().splitlines() if line]
+        last = [record for record in records if "phase_ms" in record][-1]
+        args.out.write_text(phases_svg(last, args.title))
+    else:
+        args.out.write_text(svg(read(args.steps), args.title))
 
 
 if __name__ == "__main__":

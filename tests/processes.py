@@ -172,7 +172,7 @@ def run(
     result = finish(*start(cmd, env, cwd), timeout)
     if check and result.returncode != 0:
         raise RunFailed(
-            f"{' '.join(result.args)} exited {result.returncode}\n"
+            f"{' '.join(map(str, result.args))} exited {result.returncode}\n"
             f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
         )
     return result

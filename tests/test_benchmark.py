@@ -26,8 +26,18 @@ def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
         timeout=600,
         env={"DDP_TESTS_WARM": "1"},  # its runs forked warm: the table is checked, not the speed
     )
+    tables, _, phases = result.stdout.partition("Phases, ms a step")
     lines = result.stdout.splitlines()
-    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    rows = [line for line in tables.splitlines() if line.startswith("| ") and "---" not in line]
+    # each script's phases in its last epoch, the median rank's and the slowest's (not the textbook loop's)
+    phased = [line for line in phases.splitlines() if line.startswith("| ") and "---" not in line]
+    assert phased[0].startswith(
+        "| approach | data | forward + loss | backward | wait | optimizer |"
+    )
+    assert len(phased) == 1 + 14, phases
+    for row in phased[1:]:
+        medians = [float(cell.split()[0]) for cell in row.split("|")[2:7]]
+        assert medians[1] > 0 and medians[4] > 0, row  # forward + loss, optimizer
     assert len(rows) == 1 + 15, (
         result.stdout
     )  # header and one row per approach, the textbook loop among them

@@ -134,13 +134,15 @@ def slow_runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("slow")
     copy = copy_with_your_functions("distributed.py", base / "copy", SLOW_RANK)
     flags = [*TINY, "--epochs", "1", "--print-freq", "16", "--no-augment"]
-    cases = ["even", *SLOW]
+    # the slow runs at once (each sleeps most of its steps), the even one alone: no neighbour's load to tell
+    cases = [*SLOW, "even"]
     results = run_parallel(
         [
             (torchrun(2, copy, *flags, "--output-dir", base / case), {"SLOW_IN": case})
             for case in cases
         ],
         timeout=300,
+        at_once=len(SLOW),
     )
     return {
         case: (result.stdout, steps(base / case), metrics(base / case))
@@ -241,3 +243,24 @@ def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):
     ends_every_rank_with(
         wrong_peak, "error: --timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0"
     )
+
+
+def test_the_phases_plot_as_a_bar_a_rank(slow_runs, tmp_path):
+    """tests/plot_records.py --phases: the last training record as a stacked bar a rank, a rectangle a phase as wide
+    as its time, and the slow rank named."""
+    import xml.etree.ElementTree as ET
+
+    from plot_records import LEFT, WIDTH, phases_svg
+
+    _, records, _ = slow_runs["compute_loss"]
+    last = [r for r in records if "phase_ms" in r][-1]
+    (tmp_path / "phases.svg").write_text(phases_svg(last, "rank 1 paused in compute_loss"))
+    root = ET.parse(tmp_path / "phases.svg").getroot()
+    svg = "{http://www.w3.org/2000/svg}"
+    bars = [rect for rect in root.iter(f"{svg}rect") if rect.find(f"{svg}title") is not None]
+    assert len(bars) == 2 * len(PHASES)
+    widths = [float(rect.get("width")) for rect in bars]
+    times = [last["phase_ms"][name][rank] for rank in (0, 1) for name in PHASES]
+    longest = max(sum(times[:5]), sum(times[5:]))
+    assert widths == pytest.approx([t * (WIDTH - LEFT - 20) / longest for t in times], abs=0.06)
+    assert "rank 1 slow: forward + loss" in ET.tostring(root, encoding="unicode")

@@ -16,24 +16,17 @@ from .ranks import local_shard, unwrap
 
 def build_optimizer(params, args) -> torch.optim.Optimizer:
     """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
-    params = list(params)
-    float16 = getattr(args, "amp_dtype", None) == "float16"
-    sharded = hasattr(params[0], "to_local")  # FSDP's DTensors
     # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of
-    # all the weights; not with float16 on FSDP (its gradient scaler checks overflow on all ranks
-    # on the foreach path only), nor for SGD on FSDP (its shards have no fused SGD).
+    # all the weights; not with float16 (FSDP's gradient scaler checks overflow on all ranks on the
+    # foreach path only), nor for SGD (FSDP's shards have no fused SGD; and where float16's scaler
+    # skips a step, fused SGD still moves its momentum: weights NaN on an H200, PyTorch 2.11).
     if args.optimizer == "adamw":
         fused = None
-        if not (float16 and sharded):
+        if getattr(args, "amp_dtype", None) != "float16":
             fused = True
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
-    # float16 on a GPU: fused SGD takes the gradient scaler's overflow flag on the device, where
-    # the foreach step reads it back (a host sync every step)
-    fused = None
-    if float16 and not sharded and params[0].is_cuda:
-        fused = True
     return torch.optim.SGD(
-        params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay, fused=fused
+        params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
 
 

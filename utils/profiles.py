@@ -61,6 +61,8 @@ class StepPhases:
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The model's forward hook marks the backward's start, the optimizer's step hook its
         phase."""
+        # a forward begins its phase (an accumulated step's later micro-batches, read beforehand)
+        model.register_forward_pre_hook(lambda module, inputs: self.enter(FORWARD, module))
         model.register_forward_hook(self.forward_ends)
         optimizer.register_step_pre_hook(lambda *_: self.enter(OPTIMIZER))
         # FSDP's forward and backward hold its collectives: waits for the others
@@ -81,6 +83,9 @@ class StepPhases:
     def forward_ends(self, module: nn.Module, inputs, outputs) -> None:
         """A training forward's end: the first gradient at its outputs begins the backward."""
         if not (module.training and torch.is_grad_enabled()):
+            return
+        if isinstance(outputs, torch.Tensor):
+            outputs.register_hook(self.backward_begins)
             return
         for tensor in tree_flatten(outputs)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -108,9 +113,10 @@ class StepPhases:
         event.record()
         return event
 
-    def enter(self, phase: int) -> None:
-        """phase begins and the one before it ends, its time kept (between epochs, nothing)."""
-        if self.phase is None:
+    def enter(self, phase: int, module: nn.Module | None = None) -> None:
+        """phase begins and the one before it ends, its time kept (between epochs, or in an
+        evaluation's forward, nothing)."""
+        if self.phase in (None, phase) or (module is not None and not module.training):
             return
         now = self.now()
         if self.gpu:
@@ -122,8 +128,9 @@ class StepPhases:
         self.tell(phase)
 
     def tell(self, phase: int | None) -> None:
-        for watcher in self.watchers:
-            watcher(phase)
+        if self.watchers:
+            for watcher in self.watchers:
+                watcher(phase)
 
     def pause(self) -> None:
         """The epoch's steps end: its last phase too."""
