@@ -18,7 +18,8 @@ own utils). In the order a reader of distributed.py meets them:
 - stops: the step every rank stops after (a signal, a stream that ended);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords);
 - peaks: the GPUs' dense peak TFLOP/s that an epoch's MFU is measured against;
-- profiles: --profile A:B, torch.profiler over those steps, a trace a rank;
+- profiles: where a step's time goes: its phases on every rank, the slow rank named, and
+  --profile A:B, torch.profiler over those steps, a trace a rank;
 - sinks: TensorBoard and Weights & Biases, fed the same records;
 - checkpoints: files written whole, checkpoints read by rank 0 and sent to all, restore;
 - internals: every private name of PyTorch the folder reaches, in one place;
