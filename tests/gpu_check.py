@@ -21,6 +21,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_host_syncs import PLUGGED  # noqa: E402
 from processes import (
     EVAL_EVERY,
     TINY,
@@ -493,7 +494,8 @@ def images_on_the_gpu(tmp: Path) -> None:
     )
 
 
-SYNCS_PER_STEP = '''
+SYNCS_PER_STEP = (
+    '''
 import json
 import os
 import warnings
@@ -529,21 +531,14 @@ class SyncsPerStep:
 
 
 SYNCS = SyncsPerStep()
-
-
-def build_datasets(args):
-    return builtin.datasets(args)
-
-
-def build_model(args, num_classes):
-    model = builtin.model(args.arch, num_classes, args.image_size)
-    model.register_forward_pre_hook(SYNCS.step_begins)
-    return model
-
+'''
+    + PLUGGED
+    + """
 
 def compute_loss(outputs, targets):
     return F.cross_entropy(outputs, targets)
-'''
+"""
+)
 
 
 def no_syncs(tmp: Path) -> None:

@@ -15,7 +15,22 @@ import pytest
 from processes import TINY, run_parallel
 from test_your_own_data import copy_with_your_functions, launch
 
-COUNTED = '''
+# the built-in data and model, the model's forward pre-hook telling SYNCS (a counter the code before defines) that a
+# training step begins (tests/gpu_check.py counts the GPU's syncs with it too)
+PLUGGED = """
+
+def build_datasets(args):
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes):
+    model = builtin.model(args.arch, num_classes, args.image_size)
+    model.register_forward_pre_hook(SYNCS.step_begins)
+    return model
+"""
+
+COUNTED = (
+    '''
 import json
 import os
 
@@ -85,21 +100,14 @@ class HostSyncs(TorchFunctionMode):
 
 
 SYNCS = HostSyncs()
-
-
-def build_datasets(args):
-    return builtin.datasets(args)
-
-
-def build_model(args, num_classes):
-    model = builtin.model(args.arch, num_classes, args.image_size)
-    model.register_forward_pre_hook(SYNCS.step_begins)
-    return model
-
+'''
+    + PLUGGED
+    + """
 
 def compute_loss(outputs, targets):  # a (sum, count) pair: its count a Python number
     return F.cross_entropy(outputs, targets, reduction="sum"), len(targets)
-'''
+"""
+)
 
 SCRIPTS = {
     "distributed.py": [],
