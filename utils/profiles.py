@@ -84,7 +84,7 @@ class StepPhases:
         """A training forward's end: the first gradient at its outputs begins the backward."""
         if not (module.training and torch.is_grad_enabled()):
             return
-        if isinstance(outputs, torch.Tensor):
+        if isinstance(outputs, torch.Tensor) and outputs.requires_grad:
             outputs.register_hook(self.backward_begins)
             return
         for tensor in tree_flatten(outputs)[0]:
