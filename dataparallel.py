@@ -325,8 +325,8 @@ def main(teardown: ExitStack) -> None:
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, max(len(gpus), 1))
-    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
-    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    # the time a step spends in each phase (data, forward + loss, backward, optimizer; one
+    # process: no wait for others), gathered at each record
     step_phases = profiles.StepPhases(device)
     # the phases marked by the model's forward hook and the optimizer's step hook
     step_phases.watch(model, optimizer)

@@ -744,8 +744,9 @@ def main(teardown: ExitStack) -> None:
     peak_tflops = peaks.peak_tflops(
         device, amp_dtype or torch.float32, args.peak_tflops, world_size
     )
-    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
-    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    # this rank's time in each phase of a step (data, forward + loss and backward with their
+    # all-gathers and reduce-scatters, optimizer), gathered at each record, which names a rank
+    # slower than the others in its data or optimizer step
     step_phases = profiles.StepPhases(device)
     # the phases marked by the model's forward hook and the optimizer's step hook
     step_phases.watch(model, optimizer)
