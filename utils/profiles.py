@@ -84,9 +84,6 @@ class StepPhases:
         """A training forward's end: the first gradient at its outputs begins the backward."""
         if not (module.training and torch.is_grad_enabled()):
             return
-        if isinstance(outputs, torch.Tensor) and outputs.requires_grad:
-            outputs.register_hook(self.backward_begins)
-            return
         for tensor in tree_flatten(outputs)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(self.backward_begins)
@@ -123,14 +120,14 @@ class StepPhases:
             self.pending.append((self.phase, self.since, now))
         else:
             self.seconds[self.phase] += now - self.since
-        self.steps += phase == OPTIMIZER
+        if phase == OPTIMIZER:
+            self.steps += 1
         self.phase, self.since = phase, now
         self.tell(phase)
 
     def tell(self, phase: int | None) -> None:
-        if self.watchers:
-            for watcher in self.watchers:
-                watcher(phase)
+        for watcher in self.watchers:
+            watcher(phase)
 
     def pause(self) -> None:
         """The epoch's steps end: its last phase too."""
@@ -168,10 +165,12 @@ class StepPhases:
         phase_ms = {name: [round(row[i], 3) for row in ms] for i, name in enumerate(self.names)}
         margin = max(MARGIN_MS, SLOW_SHARE * statistics.median(map(sum, ms)))
         slow = None
+        if len(ms) < 2:  # a world of one: no other rank to compare with
+            return dict(phase_ms=phase_ms, slow=slow)
         for i in self.own:
             times = phase_ms[self.names[i]]
             for rank, time_ms in enumerate(times):
-                others = statistics.median(times[:rank] + times[rank + 1 :] or [time_ms])
+                others = statistics.median(times[:rank] + times[rank + 1 :])
                 if time_ms - others > margin:
                     margin = time_ms - others
                     slow = dict(rank=rank, phase=self.names[i], ms=time_ms, median_ms=others)
@@ -219,7 +218,8 @@ class StepProfiler(contextlib.AbstractContextManager):
     def enter(self, phase: int | None) -> None:
         """A phase begins (None: the epoch's steps ended): the profile starts with step A's data,
         ends with step B + 1's, and the range before it ends."""
-        self.done += phase == OPTIMIZER
+        if phase == OPTIMIZER:
+            self.done += 1
         if phase in (DATA, None) and self.done == self.steps[1]:
             self.stop()
         if self.phase is not None:
