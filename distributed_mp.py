@@ -418,12 +418,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
-    # the gradients' all-reduce as DDP makes it (--comm-hook bf16: as bfloat16, half the bytes),
-    # its last bucket timed: when this rank's gradients leave
-    hook = default_hooks.allreduce_hook
+    # --comm-hook bf16: the gradients all-reduced as bfloat16, half the bytes
     if args.comm_hook:
-        hook = default_hooks.bf16_compress_hook
-    model.register_comm_hook(None, step_phases.timed_hook(hook))
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         # DDP's buckets split the compiled graph
         model = torch.compile(model, mode=args.compile_mode)

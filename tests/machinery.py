@@ -166,6 +166,7 @@ def run_once(script: Path, processes: int, stamps: Path, out: Path) -> tuple[flo
         *flags,
     ]
     env = {"STAMPS": str(stamps), "SAMPLES": str(STEPS * 8), "OMP_NUM_THREADS": "1"}
+    stamps.unlink(missing_ok=True)  # never an earlier run's
     run(command, timeout=600, cwd=script.parent, env=env)
     return per_step(stamps)
 
@@ -202,7 +203,12 @@ def main() -> None:
             # each round runs every program once, in turn: a machine whose speed drifts moves all alike
             rounds = [
                 [
-                    run_once(script, processes, Path(tmp) / f"{k}.json", Path(tmp) / f"out{k}-{r}")
+                    run_once(
+                        script,
+                        processes,
+                        Path(tmp) / f"{k}.json",
+                        Path(tmp) / f"out{k}-{processes}-{r}",
+                    )
                     for k, script in enumerate([textbook, *scripts])
                 ]
                 for r in range(args.repeats)

@@ -61,6 +61,9 @@ class Sums:
 
 
 SUMS = len(dataclasses.fields(Sums))
+# Steps kept before they are added up: at most 32 (a batch from a loader's worker holds a file
+# descriptor) and 2**20 target elements (8 MB of int64; a segmentation's larger batch at once).
+KEPT_STEPS, KEPT_ELEMENTS = 32, 2**20
 
 
 def zero_sums(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -90,6 +93,10 @@ class Meter:
         # Counts that are Python numbers (samples, a loss's item count) add up on the host: made
         # into a device tensor each step, they would wait for the GPU.
         self.items = self.samples = 0
+        # Each step's loss sum, (sum, count) count, and (argmax, targets) since the last record,
+        # with the targets' elements and classes.
+        self.totals, self.counts, self.guesses, self.kept = [], [], [], 0
+        self.classes = 0
         self.start = time.perf_counter()
         # The line of a batch read() could not read.
         self.error = ""
@@ -105,30 +112,54 @@ class Meter:
 
     def update(self, loss, outputs, targets, samples: int) -> None:
         """Add a batch: its loss (a mean, or a (sum, count) pair), and its accuracy where the
-        targets are class indices."""
+        targets are class indices. Each step's tensors are kept as they are, and added up at a
+        record (add_kept): a few small ops a step, not a dozen."""
+        scores = logits(outputs)
+        guessed = class_indices(scores, targets) and scores.shape[1] > 1
+        if guessed and scores.shape[1] != self.classes:  # scored against their own classes
+            self.add_kept()
+            self.classes = scores.shape[1]
         self.pairs = not isinstance(loss, torch.Tensor)
         if self.pairs:
             total, items = loss
+            total = total.detach()
         else:
             total, items = loss.detach() * samples, samples
-        zero = correct = scored = counted = self.sums.new_zeros(())
-        scores = logits(outputs)
-        if class_indices(scores, targets) and scores.shape[1] > 1:
-            # An argmax is a class: a label that is none (a segmentation's "ignore") is never
-            # counted right, nor scored.
-            correct = (scores.detach().argmax(1) == targets).sum()
-            scored = ((targets >= 0) & (targets < scores.shape[1])).sum()
         if isinstance(items, torch.Tensor):
-            counted = count_to_device(items, self.sums.device)
+            self.counts.append(count_to_device(items, self.sums.device))
         else:
             self.items += items
+        self.totals.append(total)
         self.samples += samples
-        # Added where they are (stack promotes to the sums' float64): nothing read back, no wait.
-        self.sums += torch.stack([total.detach(), counted, correct, scored, zero])
+        if guessed:
+            self.guesses.append((scores.argmax(1), targets))
+            self.kept += targets.numel()
+        if len(self.totals) == KEPT_STEPS or self.kept > KEPT_ELEMENTS:
+            self.add_kept()
+
+    def add_kept(self) -> None:
+        """The kept steps' losses, counts and guesses added to the sums, where they are: nothing
+        read back, no wait. An argmax is a class: a label that is none (a segmentation's "ignore")
+        is never counted right, nor scored."""
+        if not self.totals:
+            return
+        zero = correct = scored = counted = self.sums.new_zeros(())
+        if self.guesses:
+            guesses = torch.cat([guess.flatten() for guess, _ in self.guesses])
+            targets = torch.cat([target.flatten() for _, target in self.guesses])
+            correct = (guesses == targets).sum()
+            scored = ((targets >= 0) & (targets < self.classes)).sum()
+        if self.counts:
+            counted = torch.stack(self.counts).sum()
+        total = torch.stack(self.totals).sum(dtype=torch.float64)
+        # stack promotes to the sums' float64
+        self.sums += torch.stack([total, counted, correct, scored, zero])
+        self.totals, self.counts, self.guesses, self.kept = [], [], [], 0
 
     def all_sums(self) -> torch.Tensor:
         """This rank's sums with its host counts, on the device (copied from the host: only where a
         record is made)."""
+        self.add_kept()
         return self.sums + self.sums.new_tensor([0, self.items, 0, 0, self.samples])
 
     def read(self, loader):

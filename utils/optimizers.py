@@ -81,10 +81,13 @@ class EMA:
             for name, average in self.average.items()
         ]
 
-    @torch.no_grad()
     def update(self) -> None:
-        if not self.average:
-            return
+        if self.average:  # without --ema, nothing
+            self.move()
+
+    @torch.no_grad()
+    def move(self) -> None:
+        """The average moves toward the weights."""
         self.updates += 1
         weight = 1 - min(self.decay, (1 + self.updates) / (10 + self.updates))
         if self.lists is None:  # listed once (a checkpoint's load lists them anew)

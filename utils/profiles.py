@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch.profiler import profile
 
@@ -26,9 +27,9 @@ from .internals import tree_flatten
 log = logging.getLogger("train")
 
 # A step's phases, in order: waiting for the batch; the forward and the loss, up to the first
-# gradient at the model's outputs; the backward, up to this rank's gradients leaving (DDP's last
-# bucket handed to its all-reduce); the wait for the other ranks' gradients (and the agreement
-# on stopping); the optimizer's step and what follows it (the moving average, the schedule, the
+# gradient at the model's outputs; the backward, up to its last gradient (DDP's last bucket
+# handed to its all-reduce); the wait for the other ranks' gradients (and the agreement on
+# stopping); the optimizer's step and what follows it (the moving average, the schedule, the
 # records). DiLoCo adds its outer step, every H steps.
 PHASES = ("data", "forward + loss", "backward", "wait", "optimizer", "outer")
 DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, OUTER = range(len(PHASES))
@@ -69,17 +70,6 @@ class StepPhases:
         if hasattr(getattr(model, "_orig_mod", model), "unshard"):
             self.own = (DATA, OPTIMIZER)
 
-    def timed_hook(self, hook):
-        """DDP's communication hook around hook: its last bucket marks when this rank's gradients
-        leave (what it sends is hook's)."""
-
-        def timed(state, bucket):
-            if bucket.is_last():
-                self.enter(WAIT)
-            return hook(state, bucket)
-
-        return timed
-
     def forward_ends(self, module: nn.Module, inputs, outputs) -> None:
         """A training forward's end: the first gradient at its outputs begins the backward."""
         if not (module.training and torch.is_grad_enabled()):
@@ -91,6 +81,12 @@ class StepPhases:
 
     def backward_begins(self, grad: torch.Tensor) -> None:
         self.enter(BACKWARD)
+        # Run by autograd once the backward has made every gradient (DDP: its last bucket handed
+        # to its all-reduce), before DDP's own final callback waits for the all-reduces.
+        Variable._execution_engine.queue_callback(self.backward_ends)
+
+    def backward_ends(self) -> None:
+        self.enter(WAIT)
 
     def begin(self) -> None:
         """An epoch's steps begin, with the first batch's data."""
