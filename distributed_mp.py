@@ -405,9 +405,6 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         if device.type != "cuda":
             raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
-    # ranks, optimizer), gathered at each record, which names a rank slower than the others
-    step_phases = profiles.StepPhases(device)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(
@@ -418,7 +415,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
-    # --comm-hook bf16: the gradients all-reduced as bfloat16, half the bytes
+    # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
     if args.comm_hook:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
@@ -429,6 +426,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, world_size)
+    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
+    # ranks, optimizer), gathered at each record, which names a rank slower than the others
+    step_phases = profiles.StepPhases(device)
     # the phases marked by the model's forward hook and the optimizer's step hook
     step_phases.watch(model, optimizer)
     # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank

@@ -116,7 +116,8 @@ class Meter:
         record (add_kept): a few small ops a step, not a dozen."""
         scores = logits(outputs)
         guessed = class_indices(scores, targets) and scores.shape[1] > 1
-        if guessed and scores.shape[1] != self.classes:  # scored against their own classes
+        # Where the classes change, the steps kept so far are added up, scored against their own.
+        if guessed and scores.shape[1] != self.classes:
             self.add_kept()
             self.classes = scores.shape[1]
         self.pairs = not isinstance(loss, torch.Tensor)

@@ -82,7 +82,8 @@ class StepPhases:
     def backward_begins(self, grad: torch.Tensor) -> None:
         self.enter(BACKWARD)
         # Run by autograd once the backward has made every gradient (DDP: its last bucket handed
-        # to its all-reduce), before DDP's own final callback waits for the all-reduces.
+        # to its all-reduce), before DDP's own final callback waits for the all-reduces; FSDP2
+        # marks its backward's end the same way.
         Variable._execution_engine.queue_callback(self.backward_ends)
 
     def backward_ends(self) -> None:
