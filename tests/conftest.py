@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import processes
+import warm_ranks
 from processes import (
     EVAL_EVERY,
     LONG,
@@ -78,6 +79,8 @@ def pytest_runtest_protocol(item, nextitem):
         ALONE_DONE.add(item.path)
     with turn(alone):
         yield
+    if nextitem is None or nextitem.path != item.path:
+        warm_ranks.close_library_servers()
 
 
 @contextlib.contextmanager

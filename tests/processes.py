@@ -124,6 +124,18 @@ WARM = WARM_BY_DEFAULT
 WARM_RUNS: dict[str, warm_ranks.WarmRun] = {}
 
 
+@contextlib.contextmanager
+def warm_starts():
+    """In a test marked real_launch, the commands started inside start warm as in any other test:
+    those whose launch is not what it checks."""
+    global WARM
+    before, WARM = WARM, WARM_BY_DEFAULT
+    try:
+        yield
+    finally:
+        WARM = before
+
+
 def start(
     cmd: list[str], env: dict | None = None, cwd: Path = ROOT
 ) -> tuple[subprocess.Popen | warm_ranks.WarmRun, str]:

@@ -12,12 +12,15 @@ from processes import (
     assert_same_records,
     assert_wandb_equals_the_records,
     ends_every_rank_with,
+    finish,
     max_weight_difference,
     metrics,
     run,
     run_parallel,
+    start,
     steps,
     torchrun,
+    warm_starts,
 )
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
@@ -119,13 +122,12 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
         )
         for name, (kill, _) in KILLS.items()
     }
-    straight, *killed = run_parallel(
-        [
-            (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), OFFLINE, tmp_path),
-            *runs.values(),
-        ],
-        check=False,
-    )
+    with warm_starts():  # torchrun's word is checked on the killed runs alone
+        straight = start(
+            launch(copy, 2, *WATCHED, "--output-dir", tmp_path / "straight"), OFFLINE, tmp_path
+        )
+    killed = run_parallel(list(runs.values()), check=False)
+    straight = finish(*straight, timeout=180)
     assert straight.returncode == 0, straight.stderr
     for (name, (_, last_records)), result in zip(KILLS.items(), killed):
         assert result.returncode != 0 and "Signal 9 (SIGKILL) received" in result.stderr, (
@@ -134,12 +136,13 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
         assert [r["global_step"] for r in steps(tmp_path / name)][
             -len(last_records) :
         ] == last_records
-    continued = run_parallel(
-        [
-            (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name), OFFLINE, tmp_path)
-            for name in KILLS
-        ]
-    )
+    with warm_starts():
+        continued = run_parallel(
+            [
+                (launch(copy, 2, *WATCHED, "--output-dir", tmp_path / name), OFFLINE, tmp_path)
+                for name in KILLS
+            ]
+        )
     for name, result in zip(KILLS, continued):
         out = tmp_path / name
         assert "1 of 3 epochs done and 25 steps of the next" in result.stdout

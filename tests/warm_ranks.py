@@ -7,8 +7,9 @@ argv, environment, folder and working directory, their output in pipes, each kil
 about the launch itself (real torchrun, its agent, elastic runs) or the command's interpreter
 would start otherwise (PYTHONPATH and the like): those start as they always did.
 
-The server (this file run as a program) imports torch and the libraries the scripts import, then
-waits on a Unix socket; for each request it forks, and the child becomes the script's process: its
+The server (this file run as a program) imports torch and the libraries the scripts import (a
+script that imports datasets, transformers, peft or webdataset: a server that ran its import lines
+too), then waits on a Unix socket; for each request it forks, and the child becomes the script's process: its
 own session, the request's pipes as stdin, stdout and stderr. The server stays one thread, so a
 fork never copies a lock another thread holds, and reports each child's exit status.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import selectors
 import signal
 import socket
@@ -45,6 +47,14 @@ STARTUP = (
 )
 # glibc's allocator reads these once, as the process starts (MALLOC_MMAP_THRESHOLD_ and the like)
 GLIBC_AT_START = ("MALLOC_", "GLIBC_TUNABLES")
+# The libraries of the users' code in the tests (test-only dependencies): a script that imports
+# them (0.7 s of CPU for datasets, 1.7 s for transformers' GPT-2, in each rank) starts from a server
+# that ran its import lines too, with what those libraries read as they are imported (the hub's
+# caches and offline switches, webdataset's cache) as the script's environment sets it.
+LIBRARIES = re.compile(
+    r"^ *((?:from|import) (?:datasets|peft|transformers|webdataset)\b[^(\n]*)$", re.M
+)
+LIBRARIES_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "WDS_", "USE_", "XDG_", "HOME")
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
 # torch's CPU threads in the server, as its environment set them
 DEFAULT_THREADS: list[int] = []
@@ -69,11 +79,16 @@ def preload() -> None:
     import torchvision.transforms.v2  # noqa: F401
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, imports: list[str]) -> None:
     """Fork a child for each request on the socket; report each child's end. Ends with the
-    client."""
+    client. imports: the import lines of a library the scripts it starts run (datasets, ...)."""
     server = socket.socket(fileno=fd)
     preload()
+    for line in imports:
+        try:
+            exec(line, {})
+        except Exception:  # the script's own import says why, as it would without the server
+            pass
     # What the imports made is left out of every later collection: a child's collections (the
     # scripts' own gc.collect() as they end, a DataLoader worker's) then never write to the pages it
     # shares with the server, which the kernel would copy for it. 10 % of the suite's CPU time.
@@ -288,14 +303,37 @@ def run_as_python_c(request: dict, fds: list[int]) -> None:
 # ---- the client: one server per test process ----
 
 
-class Server:
-    """The server process and its socket; started at the first warm command."""
+def fits(env: dict) -> bool:
+    """Would a fresh interpreter with env start as a server does (the libraries aside)?"""
+    ours = {**os.environ, **SERVER_ENV}
+    names = {*STARTUP, *(n for n in {*env, *ours} if n.startswith(GLIBC_AT_START))}
+    return all(env.get(name) == ours.get(name) for name in names)
 
-    def __init__(self):
+
+def libraries(script: str, env: dict) -> tuple:
+    """The script's import lines of a library, and what those libraries read at their import, as
+    env sets it; () where it imports none (the tests' own server)."""
+    try:
+        with open(script) as f:
+            imports = tuple(dict.fromkeys(LIBRARIES.findall(f.read())))
+    except OSError:  # no such script: it ends as python would, from the tests' own server
+        imports = ()
+    variables = tuple(sorted((k, v) for k, v in env.items() if k.startswith(LIBRARIES_AT_IMPORT)))
+    return (imports, variables) if imports else ()
+
+
+class Server:
+    """A server process and its socket; started at the first warm command that needs it."""
+
+    def __init__(self, libraries: tuple):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        imports, variables = libraries or ((), ())
         self.env = {**os.environ, **SERVER_ENV}
+        if imports:  # what the libraries read at their import, as the script's environment
+            self.env = {k: v for k, v in self.env.items() if not k.startswith(LIBRARIES_AT_IMPORT)}
+            self.env.update(variables)
         self.process = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())],
+            [sys.executable, __file__, str(theirs.fileno()), *imports],
             pass_fds=[theirs.fileno()],
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -306,12 +344,8 @@ class Server:
         self.socket = ours
         self.ended: dict[int, int] = {}
         self.started: dict[str, int] = {}
+        self.forks = 0
         self.lock = threading.Lock()
-
-    def fits(self, env: dict) -> bool:
-        """Would a fresh interpreter with env start as the server did?"""
-        names = {*STARTUP, *(n for n in {*env, *self.env} if n.startswith(GLIBC_AT_START))}
-        return all(env.get(name) == self.env.get(name) for name in names)
 
     def start(self, argv: list[str], env: dict, cwd: str, stdout: int, stderr: int) -> int:
         """The pid of a child running argv, writing to stdout and stderr (descriptors)."""
@@ -320,6 +354,7 @@ class Server:
         with self.lock:
             socket.send_fds(self.socket, [pickle.dumps(request)], [stdin, stdout, stderr])
         os.close(stdin)
+        self.forks += 1
         deadline = time.monotonic() + 60
         while request["id"] not in self.started:
             if time.monotonic() > deadline:
@@ -352,14 +387,29 @@ class Server:
         return self.ended.get(pid)
 
 
-SERVER: Server | None = None
+# the tests' own server (torch and torchvision), and one for each script's libraries
+SERVERS: dict[tuple, Server] = {}
 
 
-def server() -> Server:
-    global SERVER
-    if SERVER is None or SERVER.process.poll() is not None:
-        SERVER = Server()
-    return SERVER
+def server(libraries: tuple) -> Server:
+    """The server that imported these libraries (started if need be)."""
+    if libraries not in SERVERS or SERVERS[libraries].process.poll() is not None:
+        SERVERS[libraries] = Server(libraries)
+    return SERVERS[libraries]
+
+
+def close_library_servers() -> None:
+    """End each server of a script's libraries whose runs have all ended (the tests call it at the
+    end of each file: a server holds about 1 GB, and a larger one forks slower)."""
+    for libraries, other in list(SERVERS.items()):
+        if not libraries:
+            continue
+        other.receive(timeout=0)
+        if len(other.ended) >= other.forks:
+            other.process.kill()
+            other.process.wait()
+            other.socket.close()
+            del SERVERS[libraries]
 
 
 class WarmRun:
@@ -369,7 +419,10 @@ class WarmRun:
 
     GRACE = 30
 
-    def __init__(self, args: list, pids: list[int], outputs: list[int], torchrun: bool):
+    def __init__(
+        self, server: Server, args: list, pids: list[int], outputs: list[int], torchrun: bool
+    ):
+        self.server = server
         self.args = args
         self.pids = pids
         self.pid = pids[0]
@@ -382,10 +435,9 @@ class WarmRun:
         self.stopping_since = None
 
     def poll(self) -> int | None:
-        warm = server()
         for pid in self.pids:
             if pid not in self.codes:
-                code = warm.exit_code(pid)
+                code = self.server.exit_code(pid)
                 if code is not None:
                     self.codes[pid] = code
         if self.torchrun and any(self.codes.values()) and len(self.codes) < len(self.pids):
@@ -406,7 +458,7 @@ class WarmRun:
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            server().receive(timeout=0.05)
+            self.server.receive(timeout=0.05)
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -477,9 +529,10 @@ def start(cmd: list, env: dict, cwd, port: int) -> WarmRun | None:
     """cmd started warm (port: the rendezvous of torchrun's ranks), or None where it cannot be.
     The ranks share one stdout and one stderr, as torchrun's workers share the agent's."""
     launch = command_to_start(cmd)
-    if launch is None or not server().fits(env):
+    if launch is None or not fits(env):
         return None
     ranks, argv = launch
+    warm = server(libraries(os.path.join(cwd, argv[0]), env))
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     torchrun = "torch.distributed.run" in [str(c) for c in cmd]
@@ -487,11 +540,11 @@ def start(cmd: list, env: dict, cwd, port: int) -> WarmRun | None:
     if torchrun:
         envs = torchrun_env(env, ranks, port)
     try:
-        pids = [server().start(argv, e, cwd, out_write, err_write) for e in envs]
+        pids = [warm.start(argv, e, cwd, out_write, err_write) for e in envs]
     finally:
         os.close(out_write)
         os.close(err_write)
-    return WarmRun(cmd, pids, [out_read, err_read], torchrun)
+    return WarmRun(warm, cmd, pids, [out_read, err_read], torchrun)
 
 
 def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
@@ -521,4 +574,4 @@ def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2:])
