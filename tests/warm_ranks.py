@@ -8,9 +8,9 @@ about the launch itself (real torchrun, its agent, elastic runs) or the command'
 would start otherwise (PYTHONPATH and the like): those start as they always did.
 
 The server (this file run as a program) imports torch and the libraries the scripts import (a
-script that imports datasets, transformers, peft or webdataset: a server that ran its import lines
-too), then waits on a Unix socket; for each request it forks, and the child becomes the script's process: its
-own session, the request's pipes as stdin, stdout and stderr. The server stays one thread, so a
+script that imports datasets, transformers, peft or webdataset: a server that ran its import
+lines too), then waits on a Unix socket; for each request it forks, and the child becomes the
+script's process: its own session, the request's pipes as stdin, stdout and stderr. The server stays one thread, so a
 fork never copies a lock another thread holds, and reports each child's exit status.
 """
 
@@ -300,7 +300,7 @@ def run_as_python_c(request: dict, fds: list[int]) -> None:
     run_as_main(compile(request["code"], "<string>", "exec"), None)
 
 
-# ---- the client: one server per test process ----
+# ---- the client: a server per test process, and one for each script's libraries ----
 
 
 def fits(env: dict) -> bool:
