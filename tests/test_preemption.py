@@ -215,9 +215,9 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
         # The tmpfs gives a file whole pages: what steps.jsonl's last page has left (its length varies with the speeds
         # recorded) holds epoch 2's first records, and one page more where that is under 4 of them.
         page = os.statvfs(small_disk).f_frsize
-        leave += page * (
-            unwritten == "steps.jsonl" and -(out / unwritten).stat().st_size % page < 1000
-        )
+        room = -(out / unwritten).stat().st_size % page
+        if unwritten == "steps.jsonl" and room < 1000:
+            leave += page
         filler = fill(small_disk, leave=leave)
         failed = run(torchrun(2, "distributed.py", *args, "--output-dir", out), check=False)
         ends_every_rank_with(
