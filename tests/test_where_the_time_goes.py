@@ -11,6 +11,7 @@ import torch
 
 import json
 import re
+from pathlib import Path
 
 from processes import TINY, ends_every_rank_with, metrics, run, run_parallel, steps, torchrun
 from test_your_own_data import copy_with_your_functions
@@ -128,25 +129,31 @@ SLOW = {
 }
 
 
+def slow_copy(base: Path) -> Path:
+    """distributed.py with SLOW_RANK's functions, copied into base/copy."""
+    return copy_with_your_functions("distributed.py", base / "copy", SLOW_RANK)
+
+
+FLAGS = [*TINY, "--epochs", "1", "--print-freq", "16", "--no-augment"]
+
+
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory) -> dict:
-    """distributed.py on 2 processes with rank 1 slow in each place, and an even run: (stdout, records, epochs)."""
+    """distributed.py on 2 processes with rank 1 slow in each place: (stdout, records, epochs). They run at once:
+    each sleeps most of its steps."""
     base = tmp_path_factory.mktemp("slow")
-    copy = copy_with_your_functions("distributed.py", base / "copy", SLOW_RANK)
-    flags = [*TINY, "--epochs", "1", "--print-freq", "16", "--no-augment"]
-    # the slow runs at once (each sleeps most of its steps), the even one alone: no neighbour's load to tell
-    cases = [*SLOW, "even"]
+    copy = slow_copy(base)
     results = run_parallel(
         [
-            (torchrun(2, copy, *flags, "--output-dir", base / case), {"SLOW_IN": case})
-            for case in cases
+            (torchrun(2, copy, *FLAGS, "--output-dir", base / case), {"SLOW_IN": case})
+            for case in SLOW
         ],
         timeout=300,
         at_once=len(SLOW),
     )
     return {
         case: (result.stdout, steps(base / case), metrics(base / case))
-        for case, result in zip(cases, results)
+        for case, result in zip(SLOW, results)
     }
 
 
@@ -169,10 +176,12 @@ def test_a_slow_rank_is_named_with_its_phase_in_each_record_and_the_epochs_line(
     ), line
 
 
-def test_an_even_run_names_no_rank_and_its_phases_add_up_to_its_steps(slow_runs):
+@pytest.mark.alone  # a neighbour's load would slow one rank's phases
+def test_an_even_run_names_no_rank_and_its_phases_add_up_to_its_steps(tmp_path):
     """Without a pause no rank is named, in any record or the epoch's line; each record's phases, on each rank, add up
     to its steps' time (the global batch over its images/s), within 5% (or 1 ms) a step."""
-    stdout, records, epochs = slow_runs["even"]
+    stdout = run(torchrun(2, slow_copy(tmp_path), *FLAGS, "--output-dir", tmp_path / "even")).stdout
+    records, epochs = steps(tmp_path / "even"), metrics(tmp_path / "even")
     trained = [r for r in records if "phase_ms" in r]
     assert len(trained) == 2 and all(r["slow"] is None for r in [*trained, *epochs])
     assert " slow: " not in stdout
