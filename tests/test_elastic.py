@@ -33,10 +33,8 @@ from processes import (
     torchrun,
     training_processes,
     wait_for,
+    warm_starts,
 )
-
-# the launch itself is under test: every script starts as users start it
-pytestmark = pytest.mark.real_launch
 
 # 150 steps an epoch of the tiny job, no augmentation: the same model on any number of processes
 ELASTIC = [*TINY, "--no-augment", "--fake-size", "6000", "--epochs", "2", "--print-freq", "8"]
@@ -149,7 +147,8 @@ def elastic(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProce
     for port in stores.values():
         start(store(port))
     wait_for(lambda: all(listening(p) for p in stores.values()), 60, "the stores")
-    straight = start(torchrun(2, "distributed.py", *ELASTIC, "--output-dir", base / "straight"))
+    with warm_starts():  # the reference: its launch is not what the tests check
+        straight = start(torchrun(2, "distributed.py", *ELASTIC, "--output-dir", base / "straight"))
     lost = base / "lost"
     pair = [start(agent(stores["lost"], lost, "--save-minutes", "0.02"), AGENT_ENV) for _ in "ab"]
     joined = base / "joined"
@@ -185,6 +184,7 @@ def assert_continued_as_the_straight_run(out: Path, straight: Path, world_sizes:
     assert [m["epoch"] for m in metrics(out)] == [1, 2]
 
 
+@pytest.mark.real_launch  # the launch itself: torchrun's elastic agents
 def test_the_node_holding_rank_0_lost_mid_epoch_the_other_continues_to_the_straight_run(elastic):
     base, results = elastic
     assert_continued_as_the_straight_run(base / "lost", base / "straight", [2, 1])
@@ -192,6 +192,7 @@ def test_the_node_holding_rank_0_lost_mid_epoch_the_other_continues_to_the_strai
     assert "on 1 process, written on 2:" in results["lost"].stdout
 
 
+@pytest.mark.real_launch  # the launch itself: torchrun's elastic agents
 def test_a_node_that_joins_mid_epoch_trains_on_to_the_straight_run(elastic):
     base, results = elastic
     assert_continued_as_the_straight_run(base / "joined", base / "straight", [1, 2])
