@@ -24,6 +24,7 @@ from processes import (
     run,
     run_parallel,
     torchrun,
+    warm_starts,
 )
 
 sys.path.insert(0, str(ROOT))  # tests that call utils' helpers in this process import it
@@ -123,12 +124,13 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     """The tiny job trained once with 1 process and once with 2, for comparisons; validated mid-epoch too."""
     base = tmp_path_factory.mktemp("reference")
     exact = [*TINY, "--no-augment", *EVAL_EVERY]
-    run_parallel(
-        [
-            (python("distributed.py", *exact, "--output-dir", base / "one"), {}),
-            (torchrun(2, "distributed.py", *exact, "--output-dir", base / "two"), {}),
-        ]
-    )
+    with warm_starts():  # also where a test of the launch itself asks first
+        run_parallel(
+            [
+                (python("distributed.py", *exact, "--output-dir", base / "one"), {}),
+                (torchrun(2, "distributed.py", *exact, "--output-dir", base / "two"), {}),
+            ]
+        )
     return {"one": base / "one", "two": base / "two"}
 
 
@@ -136,5 +138,6 @@ def reference(tmp_path_factory) -> dict[str, Path]:
 def long_straight(tmp_path_factory) -> Path:
     """The long job (LONG) trained straight through with 2 processes: what a stopped or killed one must equal."""
     out = tmp_path_factory.mktemp("long") / "straight"
-    run(torchrun(2, "distributed.py", *LONG, "--output-dir", out))
+    with warm_starts():  # also where a test of the launch itself asks first
+        run(torchrun(2, "distributed.py", *LONG, "--output-dir", out))
     return out
