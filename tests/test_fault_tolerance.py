@@ -30,9 +30,6 @@ from processes import (
 )
 from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions
 
-# the launch itself is under test: every script starts as users start it
-pytestmark = pytest.mark.real_launch
-
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
 SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]
 
@@ -46,6 +43,7 @@ def kill_one_worker_after_first_checkpoint(proc, marker, out, script: str) -> No
     os.kill(workers[-1], signal.SIGKILL)
 
 
+@pytest.mark.real_launch  # the launch itself: torchrun's agent restarts the group
 def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path, long_straight):
     out = tmp_path / "killed"  # in the second epoch, which the restarted group trains again
     cmd = torchrun(2, "distributed.py", *LONG, "--output-dir", out)
@@ -62,6 +60,7 @@ def test_torchrun_restarts_a_killed_worker_and_loses_nothing(tmp_path, long_stra
     )  # epoch 2's records written once
 
 
+@pytest.mark.real_launch  # the launch itself: mp.spawn's parent
 def test_spawn_ends_every_process_when_one_child_dies(tmp_path):
     out = tmp_path / "mp"
     proc, marker = start(python("distributed_mp.py", *SLOW, "--nproc", "2", "--output-dir", out))
@@ -206,6 +205,7 @@ print(f"rank {dist.get_rank()}: adds {added:.0f} MiB, equal to the file: {same}"
 """
 
 
+@pytest.mark.real_launch  # each process's own memory is measured: a fork shares the server's
 def test_a_continued_run_receives_the_checkpoint_a_tensor_at_a_time(tmp_path):
     """Rank 0 reads the checkpoint and sends it to the other ranks: every rank gets what the file holds, and none
     holds it more than once (measured with a 128 MiB checkpoint: each rank's peak rose by 135 MiB; sent as one
