@@ -428,6 +428,8 @@ def collate(samples):
     if not os.path.exists(path):
         with open(path, "w") as f:
             f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+        if os.environ.get("END_AT_PEAKS"):  # all the run has to show: it ends, as a user's error ends it
+            raise RuntimeError("the peaks are noted")
     return torch.utils.data.default_collate(samples)
 
 
@@ -452,8 +454,8 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
     """GPT-2 small on 2 processes: rank 1 builds it on the meta device and receives its shards, one tensor at a
     time, so before the first step its peak memory is its shards and the largest tensor (the 147 MiB embedding)
     above the interpreter's, well below rank 0's, which built the whole model (475 MiB, and the build's own
-    temporaries). A build_model that cannot build on meta (one warning line) leaves rank 1 as high as rank 0, as
-    every rank built the whole model before."""
+    temporaries); that run ends there, at the start-up check. A build_model that cannot build on meta (one warning
+    line) leaves rank 1 as high as rank 0, as every rank built the whole model before, and trains."""
     copy = copy_with_your_functions("distributed_fsdp.py", tmp_path / "copy", YOUR_GPT2_SMALL)
     flags = [
         "--batch-size",
@@ -469,7 +471,8 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
         "--timeout",
         "120",
     ]
-    runs = {"once": {}, "every rank": {"REFUSE_META": "1"}}
+    # the build on meta trains in the phase table's run; the build on every rank trains here
+    runs = {"once": {"END_AT_PEAKS": "1"}, "every rank": {"REFUSE_META": "1"}}
     for name in runs:
         (tmp_path / name).mkdir()
     results = run_parallel(
@@ -482,9 +485,16 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
         ],
         timeout=300,
         cwd=tmp_path,
+        check=False,
     )
     for result, env in zip(results, runs.values()):
-        assert ("cannot build on the meta device" in result.stdout) == bool(env), result.stdout
+        if env.get("END_AT_PEAKS"):
+            assert result.returncode != 0 and "the peaks are noted" in result.stderr, result.stderr
+        else:
+            assert result.returncode == 0, result.stderr
+        assert ("cannot build on the meta device" in result.stdout) == bool(
+            env.get("REFUSE_META")
+        ), result.stdout
         # said before sharding: 124M float32 parameters (the tied head once), half a rank; SGD without momentum
         assert re.search(
             r"^each rank will hold 0\.50 GB: parameters 0\.25, gradients 0\.25, sgd state 0\.00; "
