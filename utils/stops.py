@@ -23,12 +23,11 @@ class StopSignal:
     def __init__(self, save_minutes: float | None = None):
         self.signal = 0
         self.work = None
-        # The step's flags (signal, lacking a batch, save timer) as every rank agreed on them.
-        self.values = [0, 0, 0]
-        # The tensor all-reduced each step, made once; each step writes its flags through its NumPy
-        # view, no tensor made (a torch.tensor of a list costs about 25 us of the step's CPU time).
+        # The step's flags (signal, lacking a batch, save timer), all-reduced in place to what every
+        # rank agreed on: one tensor, made once, each step's numbers written and read through its
+        # NumPy view (a torch.tensor of a list each step cost about 25 us of the step's CPU time).
         self.flags = torch.zeros(3, dtype=torch.long)
-        self.flags_view = self.flags.numpy()
+        self.values = self.flags.numpy()
         self.save_seconds = (save_minutes or 0) * 60
         self.saved_at = time.monotonic()
         for signum in (signal.SIGTERM, signal.SIGUSR1):
@@ -50,8 +49,7 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            self.values = self.flags_view.tolist()
-        return self.values[0], bool(self.values[1])
+        return int(self.values[0]), bool(self.values[1])
 
     def save_timer_fired(self) -> bool:
         """After agreed(): did the --save-minutes timer fire on some rank as this step began? Then
@@ -78,10 +76,9 @@ class StopSignal:
             # batch, 2 where one could not read it.
             lacking = 2 if error else int(ahead is None)
             due = self.save_seconds > 0 and time.monotonic() - self.saved_at >= self.save_seconds
-            self.values = [self.signal, lacking, int(due)]
+            # the last step's all-reduce is done: agreed() waited for it
+            self.values[:] = [self.signal, lacking, int(due)]
             if not self.alone:
-                # the last step's all-reduce is done: agreed() waited for it
-                self.flags_view[:] = self.values
                 self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
             if step > first_step:
                 yield step, batch
