@@ -428,7 +428,8 @@ def collate(samples):
     if not os.path.exists(path):
         with open(path, "w") as f:
             f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-        if os.environ.get("END_AT_PEAKS"):  # all the run has to show: it ends, as a user's error ends it
+        # the peaks are all this run has to show: it ends here, as a user's error ends a run
+        if os.environ.get("END_AT_PEAKS"):
             raise RuntimeError("the peaks are noted")
     return torch.utils.data.default_collate(samples)
 
