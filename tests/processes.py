@@ -227,10 +227,28 @@ def torchrun(nproc: int, script: str, *args) -> list:
     ]
 
 
+# Ports for the runs' rendezvous, 20000 to 27999: below the kernel's ephemeral range, where a port
+# found free (bind to 0) can be handed to another connection (gloo's, a neighbour's) before the run
+# binds it, and below the scripts' default 29500. Each pytest-xdist worker takes its own 1000 of
+# them in turn, from where this process's id falls.
+RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+OWN_PORTS = RANGE.exists() and int(RANGE.read_text().split()[0]) >= 28000
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+NEXT_PORT = [os.getpid() % 1000]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no other run of the suite is given, bound and released here to see that it is free."""
+    for _ in range(1000):
+        NEXT_PORT[0] += 1
+        port = 20000 + 1000 * (WORKER % 8) + NEXT_PORT[0] % 1000 if OWN_PORTS else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port from 20000 to 27999")
 
 
 def weights(output_dir: Path) -> dict[str, torch.Tensor]:
