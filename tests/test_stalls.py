@@ -241,7 +241,9 @@ def stalled(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, fl
     return results
 
 
-@pytest.mark.alone  # its bound on seconds
+# Beside another worker's tests: with the DiLoCo fixture's 4 runs at once or FSDP's phase table
+# running, every stalled run ended 10.7 to 12.8 s after its stall (2 cores, 2026-11-28), well
+# within TIMEOUT + BOUND; alone, the other worker sat idle for the fixture's 40 s.
 @pytest.mark.parametrize("name", [name for name in CASES if name not in SECONDS])
 def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stalled, name):
     result, since, out = stalled[name]
@@ -291,7 +293,6 @@ def test_a_stalled_rank_ends_every_rank_naming_itself_its_step_and_its_line(stal
     assert ("DataLoader worker (pid" in stacks[1]) == (name == "worker")
 
 
-@pytest.mark.alone  # its bound on seconds
 @pytest.mark.parametrize("name", SECONDS)
 def test_a_slow_run_is_no_stall(stalled, name):
     result, since, out = stalled[name]
@@ -299,7 +300,6 @@ def test_a_slow_run_is_no_stall(stalled, name):
     assert not (out / "stalls").exists()
 
 
-@pytest.mark.alone  # its bound on seconds
 def test_the_records_name_the_rank_that_waited_longest_for_its_data(stalled):
     """Rank 1's batches come 0.2 s late each (its collate sleeps): every record says rank 1 waited about 5 x 0.2 s."""
     records = [record for record in steps(stalled["slow_data"][2]) if "train_loss" in record]
