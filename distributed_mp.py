@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -502,10 +503,16 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
 
 
 def free_port() -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this machine now, from 28000 to 32767: below the ports the kernel gives
+    new connections (32768 and up on Linux), one of which could take it before rank 0 listens."""
+    for port in random.Random().sample(range(28000, 32768), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise UsageError("no free port from 28000 to 32767: give one with --port")
 
 
 def pass_on(children: mp.ProcessContext, signum: int, frame) -> None:
