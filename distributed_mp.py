@@ -20,11 +20,10 @@ import dataclasses
 import functools
 import logging
 import os
-import random
 import signal
 import socket
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -503,16 +502,10 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now, from 28000 to 32767: below the ports the kernel gives
-    new connections (32768 and up on Linux), one of which could take it before rank 0 listens."""
-    for port in random.Random().sample(range(28000, 32768), 100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise UsageError("no free port from 28000 to 32767: give one with --port")
+    """A free port from 28000 to 32767 where one is: below the ports new connections get."""
+    for port in [*range(28000 + os.getpid() % 4000, 32768)[:100], 0]:
+        with suppress(OSError), socket.create_server(("127.0.0.1", port)) as s:
+            return s.getsockname()[1]
 
 
 def pass_on(children: mp.ProcessContext, signum: int, frame) -> None:
