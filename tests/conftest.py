@@ -35,6 +35,11 @@ def pytest_configure(config):
     # CPU threads that wait sleep at once instead of spinning on a core another run needs (OpenMP's
     # speed only, not what it computes): 13 % less CPU time over the DiLoCo tests on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    # A core for each process's CPU threads, as torchrun gives each of its ranks: the two workers'
+    # runs share the cores, where a process's second thread waited at each parallel region for a
+    # core the other worker held (a one-process bfloat16 run took 37 s beside two busy cores, 9 s
+    # with one thread; 9.4 and 7.6 s with nothing beside it).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The files whose tests take the most CPU (374 to 78 CPU-seconds, measured on 2 cores, 2026-11-27),
