@@ -42,18 +42,34 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The files whose tests take the most CPU (374 to 78 CPU-seconds, measured on 2 cores, 2026-11-27),
-# first: pytest-xdist (-n auto; pytest.ini: --dist loadfile) hands each worker whole files in this
-# order, the longest ones before the short ones that fill in beside them.
+# Every file, the longest first (seconds on one of 2 workers: 304 to 1, 2 cores, 2026-11-28):
+# pytest-xdist (-n auto; pytest.ini: --dist loadfile) hands each worker whole files in this order,
+# so that the short ones fill in at the end where the other worker still runs a long one.
 HEAVIEST_FIRST = [
     "test_fsdp",
-    "test_library_streams",
     "test_distributed",
-    "test_elastic",
-    "test_many_machines",
-    "test_stalls",
+    "test_library_streams",
     "test_preemption",
+    "test_stalls",
     "test_fault_tolerance",
+    "test_many_machines",
+    "test_elastic",
+    "test_launch_variants",
+    "test_records",
+    "test_image_folders",
+    "test_text_and_lists",
+    "test_benchmark",
+    "test_streams",
+    "test_techniques",
+    "test_multinode",
+    "test_your_own_data",
+    "test_randomness",
+    "test_where_the_time_goes",
+    "test_hugging_face_out",
+    "test_docs",
+    "test_host_syncs",
+    "test_data",
+    "test_internals",
 ]
 
 
