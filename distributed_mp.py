@@ -503,6 +503,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
 
 def free_port() -> int:
     """A free port from 28000 to 32767 where one is: below the ports new connections get."""
+    # up to 100 ports from where this process's id falls; then whatever port the kernel gives
     for port in [*range(28000 + os.getpid() % 4000, 32768)[:100], 0]:
         with suppress(OSError), socket.create_server(("127.0.0.1", port)) as s:
             return s.getsockname()[1]

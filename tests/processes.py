@@ -6,6 +6,7 @@ found by a marker in their environment, not by process group."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -234,17 +235,16 @@ def torchrun(nproc: int, script: str, *args) -> list:
 RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 OWN_PORTS = RANGE.exists() and int(RANGE.read_text().split()[0]) >= 28000
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-NEXT_PORT = [os.getpid() % 1000]
+PORTS = itertools.count(os.getpid() % 1000)
 
 
 def free_port() -> int:
     """A port no other run of the suite is given, bound and released here to see that it is free."""
     for _ in range(1000):
-        NEXT_PORT[0] += 1
-        port = 20000 + 1000 * (WORKER % 8) + NEXT_PORT[0] % 1000 if OWN_PORTS else 0
+        port = 20000 + 1000 * (WORKER % 8) + next(PORTS) % 1000
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("127.0.0.1", port if OWN_PORTS else 0))
             except OSError:
                 continue
             return s.getsockname()[1]

@@ -240,7 +240,8 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
             timeout=300,
             check=False,
         )
-    result, (sharded, streamed, renamed) = finish(*readme, timeout=300), results
+    result = finish(*readme, timeout=300)
+    sharded, streamed, renamed = results
     assert result.returncode == 0, result.stderr
     assert sharded.returncode == 0 and metrics(fsdp / "out")[-1]["val_acc"] > 0.3, sharded.stderr
     assert streamed.returncode == 0 and len(metrics(stream / "out")) == 1, streamed.stderr

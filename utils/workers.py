@@ -85,18 +85,20 @@ def worker_start(workers: int):
     script = getattr(sys.modules["__main__"], "__file__", None) or __file__
     script_folder = Path(script).resolve().parent
     ours = Path(__file__).resolve().parent
-    modules, resolved = {__name__}, {}
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if not file:
-            continue
-        # A folder resolved once, not each module's path: 2,300 modules with torch's, 115 ms.
-        if (folder := os.path.dirname(file)) not in resolved:
-            resolved[folder] = Path(folder).resolve()
-        if resolved[folder] == script_folder and Path(file).stem.isidentifier():
+    modules = {__name__}
+    files = {
+        name: m.__file__ for name, m in list(sys.modules.items()) if getattr(m, "__file__", None)
+    }
+    # each folder resolved once, not each module's path (torch's 2,300 modules: 115 ms a DataLoader)
+    resolved = {
+        folder: Path(folder).resolve() for folder in {os.path.dirname(f) for f in files.values()}
+    }
+    for name, file in files.items():
+        folder = resolved[os.path.dirname(file)]
+        if folder == script_folder and Path(file).stem.isidentifier():
             modules.add(Path(file).stem)
-        elif resolved[folder] == ours:
-            modules.add(module.__name__)
+        elif folder == ours:
+            modules.add(name)
     context.set_forkserver_preload(sorted(modules))
     start_forkserver([str(script_folder), str(ours.parent)])
     return context
