@@ -106,6 +106,10 @@ def run_main(
             sys.stderr.write(traceback.format_exc())
             exit_code = 1
     finally:
+        # A line to say: torchrun's SIGTERM, sent once another rank has ended with the same error,
+        # waits for it (the teardown below can take a loaded machine a second; os._exit follows).
+        if line is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # After the except blocks, whose exception kept main's frames (the model, DDP, FSDP)
         # alive. W&B's records on disk before os._exit below.
         wandb = sys.modules.get("wandb")
