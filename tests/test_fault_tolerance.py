@@ -188,7 +188,8 @@ def torch_load(path):
     return torch.load(path, weights_only=True)
 
 
-# each of 2 ranks: the checkpoint loaded everywhere, what it added to the rank's peak, and whether it equals the file
+# each of 2 ranks: the checkpoint loaded everywhere, what it added to the rank's peak, and whether it equals the file,
+# in one write (print() writes its newline apart, so two ranks' lines could run together)
 RECEIVER = """import os, resource, sys
 from pathlib import Path
 import torch, torch.distributed as dist
@@ -201,7 +202,7 @@ state = checkpoints.load_checkpoint_everywhere(Path(sys.argv[1]), dist.get_rank(
 added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
 (got, spec), (want, want_spec) = tree_flatten(state), tree_flatten(torch.load(sys.argv[1], weights_only=True))
 same = spec == want_spec and all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(got, want))
-print(f"rank {dist.get_rank()}: adds {added:.0f} MiB, equal to the file: {same}")
+sys.stdout.write(f"rank {dist.get_rank()}: adds {added:.0f} MiB, equal to the file: {same}\\n")
 """
 
 
