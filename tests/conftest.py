@@ -7,6 +7,7 @@ import fcntl
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,20 @@ def pytest_configure(config):
     # core the other worker held (a one-process bfloat16 run took 37 s beside two busy cores, 9 s
     # with one thread; 9.4 and 7.6 s with nothing beside it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Every interpreter started imports torch and its kind with Python's cycle collector paused
+    # (tests/cold_start/usercustomize.py): 0.3 CPU-s less a cold rank or torchrun agent.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent / "cold_start"), os.environ.get("PYTHONPATH")])
+    )
+    # Under pytest-xdist, the run's id names the workers' lock files (turn), removed as it ends.
+    if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid"):
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", None):
+        for path in lock_files(config.option.testrunuid):
+            path.unlink(missing_ok=True)
 
 
 # Every file, the longest first (seconds on one of 2 workers: 304 to 1, 2 cores, 2026-11-28):
@@ -105,6 +120,13 @@ def pytest_runtest_protocol(item, nextitem):
         warm_ranks.close_library_servers()
 
 
+def lock_files(run_id: str) -> list[Path]:
+    """The turnstile and the lock that the workers of one run share."""
+    return [
+        Path(tempfile.gettempdir()) / f"ddp-tests-{run_id}.{name}" for name in ("turnstile", "lock")
+    ]
+
+
 @contextlib.contextmanager
 def turn(alone: bool):
     """Every worker's test holds the run's lock shared, an alone one holds it whole. A waiting alone
@@ -113,8 +135,8 @@ def turn(alone: bool):
     if run_id is None:  # one process: every test runs alone
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"ddp-tests-{run_id}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+    turnstile_path, lock_path = lock_files(run_id)
+    with open(turnstile_path, "a") as turnstile, open(lock_path, "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
