@@ -35,4 +35,5 @@ class PausedCollector:
         return spec
 
 
-sys.meta_path.insert(0, PausedCollector())
+# just before the path finder: the finders before it (a tool's, an editable install's) still see every import first
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder), PausedCollector())
