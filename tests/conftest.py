@@ -42,9 +42,11 @@ def pytest_configure(config):
     # with one thread; 9.4 and 7.6 s with nothing beside it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Every interpreter started imports torch and its kind with Python's cycle collector paused
-    # (tests/cold_start/usercustomize.py): 0.3 CPU-s less a cold rank or torchrun agent.
+    # (tests/cold_start/usercustomize.py): 0.2-0.3 CPU-s less a cold rank or torchrun agent. Once,
+    # though the workers configure again what they inherit.
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent / "cold_start"), os.environ.get("PYTHONPATH")])
+        dict.fromkeys([str(Path(__file__).parent / "cold_start"), *paths])
     )
     # Under pytest-xdist, the run's id names the workers' lock files (turn), removed as it ends.
     if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid"):
