@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
@@ -161,8 +160,8 @@ def test_a_peer_that_never_comes_times_out(tmp_path):
 def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     """SIGKILL a process that rewrites a large checkpoint again and again: what is on
     disk always loads with weights_only=True."""
-    path = tmp_path / "checkpoint.pt"
-    writer = (
+    path, writer = tmp_path / "checkpoint.pt", tmp_path / "writer.py"
+    writer.write_text(
         f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); import pathlib\n"
         "from utils import checkpoints\n"
         "p = pathlib.Path(sys.argv[1]); i = 0\n"
@@ -173,7 +172,7 @@ def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     )
     for delay in (0.05, 0.13, 0.21):
         path.unlink(missing_ok=True)
-        proc = subprocess.Popen([PYTHON, "-c", writer, str(path)])
+        proc, _ = start([PYTHON, writer, path])
         wait_for(path.exists, 60, "the first checkpoint")
         time.sleep(delay)  # somewhere inside a later write
         proc.kill()
