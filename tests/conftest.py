@@ -52,7 +52,8 @@ def pytest_configure(config):
     # Under pytest-xdist, the run's id names the workers' lock files (turn), removed as it ends.
     if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid"):
         config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
-        gc.freeze()  # see pytest_collection_finish
+        # The controller collects no tests: what it imported is frozen now (pytest_collection_finish).
+        gc.freeze()
 
 
 def pytest_unconfigure(config):

@@ -22,8 +22,8 @@ from pathlib import Path
 from .checkpoints import write_atomically
 from .internals import start_forkserver
 
-# each folder of a module, resolved (symbolic links followed): worker_start's
-RESOLVED: dict[str, str] = {}
+# worker_start's: each folder of a module and its real path (symbolic links followed)
+REAL_FOLDERS: dict[str, str] = {}
 
 
 def worker_stacks() -> list[tuple[int, list[traceback.FrameSummary], str]]:
@@ -93,12 +93,12 @@ def worker_start(workers: int):
     }
     # each folder resolved once a process, not each module's path (torch's 2,300 modules in 310
     # folders: 115 ms a DataLoader; each folder at each DataLoader: 20 ms)
-    RESOLVED.update(
+    REAL_FOLDERS.update(
         (folder, os.path.realpath(folder))
-        for folder in set(map(os.path.dirname, files.values())) - RESOLVED.keys()
+        for folder in set(map(os.path.dirname, files.values())) - REAL_FOLDERS.keys()
     )
     for name, file in files.items():
-        folder = RESOLVED[os.path.dirname(file)]
+        folder = REAL_FOLDERS[os.path.dirname(file)]
         if folder == script_folder and Path(file).stem.isidentifier():
             modules.add(Path(file).stem)
         elif folder == ours:
