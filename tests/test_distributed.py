@@ -15,6 +15,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import distributed
+import processes
 from utils import builtin
 from utils import batches, ranks
 
@@ -572,3 +573,27 @@ def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
         assert result.returncode == 1 and result.stderr == (
             "error: the scripts need PyTorch 2.8 or newer, not 2.7.1+cu126: pip install -r requirements.txt\n"
         ), script
+
+
+def test_a_commands_own_pythonpath_is_read_as_a_fresh_interpreter_reads_it(tmp_path):
+    """The tests start a command warm also with a PYTHONPATH of its own (tests/warm_ranks.py): a sitecustomize.py
+    there runs before the script, as Python's site runs it; a folder that stands in for a package the warm server
+    has imported (numpy) starts the command as a fresh interpreter, whose import finds the stand-in."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['SITE_RAN'] = '1'\n")
+    (tmp_path / "stand_in" / "numpy").mkdir(parents=True)
+    (tmp_path / "stand_in" / "numpy" / "__init__.py").write_text("STAND_IN = True\n")
+    script = tmp_path / "which.py"
+    script.write_text(
+        "import os\nimport sys\n\nwarm = 'torch' in sys.modules\nimport numpy\n\n"
+        "print(warm, os.environ.get('SITE_RAN'), getattr(numpy, 'STAND_IN', False))\n"
+    )
+    site, stand_in = run_parallel(
+        [
+            (python(script), {"PYTHONPATH": str(tmp_path / folder)})
+            for folder in ("site", "stand_in")
+        ],
+        timeout=60,
+    )
+    # forked from the warm server (torch already imported), unless DDP_TESTS_COLD starts everything afresh
+    assert site.stdout == f"{processes.WARM} 1 False\n" and stand_in.stdout == "False None True\n"

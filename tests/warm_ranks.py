@@ -5,7 +5,10 @@ process, most of what a test's tiny run costs). The scripts run unchanged, as __
 argv, environment, folder and working directory, their output in pipes, each killable as a process
 (SIGTERM, SIGUSR1, SIGKILL). tests/processes.py starts every such command so, except where a test is
 about the launch itself (real torchrun, its agent, elastic runs) or the command's interpreter
-would start otherwise (PYTHONPATH and the like): those start as they always did.
+would start otherwise (PYTHONHASHSEED, glibc's MALLOC_ settings and the like): those start as they
+always did. A PYTHONPATH of the command's own is read as a fresh interpreter reads it: its
+sitecustomize.py runs before the script; where a folder there holds a module the server has
+imported (a stand-in for a package), the child execs a fresh interpreter.
 
 The server (this file run as a program) imports torch and the libraries the scripts import (a
 script that imports datasets, transformers, peft or webdataset: a server that ran its import
@@ -31,8 +34,8 @@ import uuid
 
 # What the server's interpreter settles at its start, and the scripts' own folder sets before torch
 # loads: a run that asks for other values is started the ordinary way.
+# (PYTHONPATH is the child's own: see become.)
 STARTUP = (
-    "PYTHONPATH",
     "PYTHONHASHSEED",
     "PYTHONWARNINGS",
     "PYTHONSTARTUP",
@@ -94,8 +97,8 @@ def serve(fd: int, imports: list[str]) -> None:
     # shares with the server, which the kernel would copy for it. 10 % of the suite's CPU time.
     gc.freeze()
     DEFAULT_THREADS.append(sys.modules["torch"].get_num_threads())
-    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    BASE_PATH.extend(sys.path[1 + len(pythonpath) :])
+    SERVER_PATH.extend(folders_of(os.environ))
+    BASE_PATH.extend(sys.path[1 + len(SERVER_PATH) :])
     assert threading.active_count() == 1, "a thread in the server would be copied mid-lock"
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -131,13 +134,46 @@ def become(request: dict, fds: list[int]) -> None:
     for target, descriptor in zip((0, 1, 2), fds):
         os.dup2(descriptor, target)
         os.close(descriptor)
+    os.chdir(request["cwd"])
+    pythonpath = folders_of(request["env"])
+    if shadows(pythonpath):  # a fresh interpreter would import another module than the server did
+        os.execve(sys.executable, [sys.executable, *request["argv"]], request["env"])
     start_afresh(request["cwd"], request["env"])
     script = os.path.abspath(request["argv"][0])
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(script)
+    # The path a fresh interpreter builds from PYTHONPATH, and the site hooks it runs there before
+    # the script's folder comes first (a sitecustomize.py that stands in for an older torch).
+    sys.path[:] = [*pythonpath, *BASE_PATH]
+    site_hooks()
+    sys.path.insert(0, os.path.dirname(script))
     keep_a_zygote()
     with open(script, "rb") as f:
         run_as_main(compile(f.read(), script, "exec"), script)
+
+
+def folders_of(env: dict) -> list[str]:
+    """The folders of env's PYTHONPATH, in order."""
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def shadows(pythonpath: list[str]) -> bool:
+    """Does a folder of pythonpath that the server's lacks hold a module the server has imported
+    (a stand-in for a package, put first)?"""
+    for folder in pythonpath:
+        if folder not in SERVER_PATH and os.path.isdir(folder):
+            if any(name.partition(".")[0] in sys.modules for name in os.listdir(folder)):
+                return True
+    return False
+
+
+def site_hooks() -> None:
+    """The sitecustomize and usercustomize modules a fresh interpreter imports at its start (those
+    the server imported stay as they are)."""
+    import site
+
+    site.execsitecustomize()
+    if site.ENABLE_USER_SITE:
+        site.execusercustomize()
 
 
 def start_afresh(cwd: str, env: dict) -> None:
@@ -202,6 +238,7 @@ WARM_CHILDREN = (
 )
 PR_SET_CHILD_SUBREAPER = 36
 BASE_PATH: list[str] = []  # sys.path without its first entry and PYTHONPATH's
+SERVER_PATH: list[str] = []  # the server's PYTHONPATH
 
 
 def keep_a_zygote() -> None:
@@ -293,8 +330,7 @@ def run_as_python_c(request: dict, fds: list[int]) -> None:
         os.close(fd)
     start_afresh(request["cwd"], request["env"])
     sys.argv = ["-c", *request["argv"]]
-    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = ["", *pythonpath, *BASE_PATH]
+    sys.path[:] = ["", *folders_of(os.environ), *BASE_PATH]
     if request["code"].startswith(WARM_CHILDREN[1]):  # mp.spawn's rank: its own workers' forkserver
         keep_a_zygote()
     run_as_main(compile(request["code"], "<string>", "exec"), None)
