@@ -11,8 +11,8 @@ sitecustomize.py runs before the script; where a folder there holds a module the
 imported (a stand-in for a package), the child execs a fresh interpreter.
 
 The server (this file run as a program) imports torch and the libraries the scripts import (a
-script that imports datasets, transformers, peft or webdataset: a server that ran its import
-lines too), then waits on a Unix socket; for each request it forks, and the child becomes the
+script that imports datasets, transformers, peft or webdataset: a server forked from it that ran
+its import lines too), then waits on a Unix socket; for each request it forks, and the child becomes the
 script's process: its own session, the request's pipes as stdin, stdout and stderr. The server stays one thread, so a
 fork never copies a lock another thread holds, and reports each child's exit status.
 """
@@ -82,16 +82,10 @@ def preload() -> None:
     import torchvision.transforms.v2  # noqa: F401
 
 
-def serve(fd: int, imports: list[str]) -> None:
-    """Fork a child for each request on the socket; report each child's end. Ends with the
-    client. imports: the import lines of a library the scripts it starts run (datasets, ...)."""
-    server = socket.socket(fileno=fd)
+def serve(fd: int) -> None:
+    """The tests' own server: torch and what the scripts import, then a child forked for each
+    request on the socket (a script's rank, or a server of a script's libraries)."""
     preload()
-    for line in imports:
-        try:
-            exec(line, {})
-        except Exception:  # the script's own import says why, as it would without the server
-            pass
     # What the imports made is left out of every later collection: a child's collections (the
     # scripts' own gc.collect() as they end, a DataLoader worker's) then never write to the pages it
     # shares with the server, which the kernel would copy for it. 10 % of the suite's CPU time.
@@ -99,6 +93,27 @@ def serve(fd: int, imports: list[str]) -> None:
     DEFAULT_THREADS.append(sys.modules["torch"].get_num_threads())
     SERVER_PATH.extend(folders_of(os.environ))
     BASE_PATH.extend(sys.path[1 + len(SERVER_PATH) :])
+    fork_for_each_request(socket.socket(fileno=fd))
+
+
+def serve_libraries(fd: int, request: dict) -> None:
+    """In a child of the tests' own server: import a script's libraries (the request's import
+    lines) in the environment they read as they load, then serve the scripts that import them."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for line in request["imports"]:
+        try:
+            exec(line, {})
+        except Exception:  # the script's own import says why, as it would without the server
+            pass
+    gc.freeze()
+    fork_for_each_request(socket.socket(fileno=fd))
+    os._exit(0)
+
+
+def fork_for_each_request(server: socket.socket) -> None:
+    """Fork a child for each request on the socket; report each child's end. Ends with the
+    client."""
     assert threading.active_count() == 1, "a thread in the server would be copied mid-lock"
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -120,6 +135,8 @@ def serve(fd: int, imports: list[str]) -> None:
             if pid == 0:
                 selector.close()
                 server.close()
+                if "imports" in request:
+                    serve_libraries(fds[0], request)  # never returns
                 become(request, fds)  # never returns
             for descriptor in fds:
                 os.close(descriptor)
@@ -368,14 +385,17 @@ class Server:
         if imports:  # what the libraries read at their import, as the script's environment
             self.env = {k: v for k, v in self.env.items() if not k.startswith(LIBRARIES_AT_IMPORT)}
             self.env.update(variables)
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno()), *imports],
-            pass_fds=[theirs.fileno()],
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        if imports:  # forked from the tests' own server: torch is imported once a test process
+            self.process = server(()).fork_server(imports, self.env, theirs.fileno())
+        else:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         theirs.close()
         self.socket = ours
         self.ended: dict[int, int] = {}
@@ -397,6 +417,15 @@ class Server:
                 raise RuntimeError("the warm-start server did not start a process in 60 s")
             self.receive(timeout=1)
         return self.started.pop(request["id"])
+
+    def fork_server(self, imports: tuple, env: dict, fd: int) -> ForkedServer:
+        """A server of these import lines, forked from this one, serving on fd."""
+        request = {"id": uuid.uuid4().hex, "imports": imports, "env": env}
+        with self.lock:
+            socket.send_fds(self.socket, [pickle.dumps(request)], [fd])
+        while request["id"] not in self.started:
+            self.receive(timeout=1)
+        return ForkedServer(self, self.started.pop(request["id"]))
 
     def receive(self, timeout: float) -> None:
         """Take the server's messages: the first within timeout, then those already there."""
@@ -421,6 +450,28 @@ class Server:
     def exit_code(self, pid: int) -> int | None:
         self.receive(timeout=0)
         return self.ended.get(pid)
+
+
+class ForkedServer:
+    """A server of a script's libraries, forked from the tests' own: waited on and killed as a
+    subprocess.Popen is."""
+
+    def __init__(self, parent: Server, pid: int):
+        self.parent, self.pid = parent, pid
+
+    def poll(self) -> int | None:
+        return self.parent.exit_code(self.pid)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            self.parent.receive(timeout=0.05)
+        return self.poll()
 
 
 # the tests' own server (torch and torchvision), and one for each script's libraries
@@ -610,4 +661,4 @@ def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2:])
+    serve(int(sys.argv[1]))
