@@ -33,8 +33,8 @@ import time
 import uuid
 
 # What the server's interpreter settles at its start, and the scripts' own folder sets before torch
-# loads: a run that asks for other values is started the ordinary way.
-# (PYTHONPATH is the child's own: see become.)
+# loads: a run that asks for other values is started the ordinary way. PYTHONPATH is not among
+# them: the child reads its own (become).
 STARTUP = (
     "PYTHONHASHSEED",
     "PYTHONWARNINGS",
