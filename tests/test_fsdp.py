@@ -514,8 +514,9 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
     assert abs(every[1] - every[0]) < 150, peaks
 
 
-# fsdp_memory.py starts warm, its runs as a user's (torchrun): a rank forked from a server counts in its resident
-# memory only the server's pages it touches (GPT-2's build peaked at 0.48 GiB, not an interpreter's and the model's)
+# fsdp_memory.py starts warm; its runs start as a user's do (torchrun), because a rank forked from a server counts
+# as resident only the server's pages it touches: forked, GPT-2's build peaked at 0.48 GiB, below the model and an
+# interpreter of its own
 def test_the_phase_table_shows_each_phase_and_a_save_that_adds_little_beside_rank_0():
     """tests/fsdp_memory.py, which docs/fsdp.md runs by hand on GPT-2 large, on GPT-2 small (124M parameters, 0.46
     GiB): each rank's peak per phase through a run and its continuation, and the start-up line. The save (the
