@@ -16,7 +16,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, seeds, stalls, stops, workers
+from utils import ranks, samplers, seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 from utils.errors import UsageError
 from utils.ranks import log
 
-# ---- your data, model and task: replace these four bodies, nothing else ----
+# ---- your data, model and task: replace these four bodies, nothing else (and the two after them
+# when your project samples or measures in its own way) ----
 
 
 def build_datasets(args):
@@ -57,6 +58,23 @@ def collate(samples: list):
     """One batch (inputs, targets) from a list of samples, each a tensor or a tuple, list or dict of
     tensors (nested): stacked here; pad samples of different lengths (text) in your own."""
     return default_collate(samples)
+
+
+def build_sampler(args, train_set):
+    """None: a new shuffle each epoch. Or what one process would sample train_set with: a sampler
+    of indices, e.g. WeightedRandomSampler(weights, len(weights)) for imbalanced classes, or a
+    batch sampler whose batches are global batches of any size (length buckets, a token budget).
+    Every rank draws it alike from (--seed, epoch), however it draws, and takes its share of each
+    global batch, so that any number of processes trains what one does (docs/your-project.md)."""
+    return None
+
+
+def build_metrics(args, num_classes: int) -> dict:
+    """{}: loss and accuracy (and top-5 accuracy from 5 classes). Or torchmetrics metrics, e.g.
+    {"f1": MulticlassF1Score(num_classes, average="macro")} or a MetricCollection, updated with
+    each validation batch's (scores, targets) and computed over every sample once on any number of
+    processes: recorded as val_f1."""
+    return {}
 
 
 # ---- the approach ----
@@ -101,6 +119,9 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         # the workers' seeds from (seed, rank): the global random stream stays the model's
         generator=seeds.loader_generator(args.seed, 0),
     )
+    # your sampler (build_sampler), or None: ours shuffles
+    user_sampler = build_sampler(args, train_set)
+    samplers.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
@@ -112,6 +133,19 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
 
         train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
+    # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank
+    elif user_sampler is not None:
+        train_sampler = samplers.DrawnShares(user_sampler, args.batch_size, 0, 1, args.seed)
+        train_sampler.check_drawn_alike()
+        # a batch sampler's batches, lists of indices: each read as one batch
+        if train_sampler.batches_given:
+            train_loader = DataLoader(
+                samplers.Batches(train_set), None, sampler=train_sampler, **common
+            )
+        else:
+            train_loader = DataLoader(
+                train_set, args.batch_size, sampler=train_sampler, drop_last=True, **common
+            )
     # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch
     # too)
     else:
@@ -153,6 +187,7 @@ class Training:
     stop: stops.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
+    val_metrics: metrics.ValidationMetrics  # build_metrics': over every validation sample once
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -181,8 +216,10 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
+        # the step's samples: --batch-size, or what your batch sampler drew
+        step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
         # replicas' gradients are summed onto the first GPU
-        batches.loss_for_backward(loss, num_samples, args.batch_size).backward()
+        batches.loss_for_backward(loss, num_samples, step_samples).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = run.stop.agreed()
@@ -207,7 +244,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             run.recorder.train(epoch, step, since_record, lr, grad_norm)
         # --eval-every N: mid-epoch too (every rank)
         if args.eval_every and step % args.eval_every == 0 and not last:
-            run.recorder.add(epoch, step, run.ema.evaluated(evaluate, run))
+            validate(run, epoch, step)
             model.train()
         # this point of the epoch (every rank): the same command continues from here
         if (
@@ -221,13 +258,24 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     return meter.epoch_record()  # the epoch's loss and accuracy, its time and speed
 
 
+def validate(run: Training, epoch: int, step: int) -> dict:
+    """The validation at this step (--ema: the average's too), recorded; --keep-best: its weights
+    in model_best.pt where they are the best so far. Every rank calls it."""
+    validation = run.ema.evaluated(evaluate, run)
+    if run.recorder.new_best(validation):
+        save_best(run)
+    run.recorder.add(epoch, step, validation)
+    return validation
+
+
 @torch.no_grad()
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
     module = ranks.unwrap(run.model)  # one device is enough to score
     module.eval()
-    meter = metrics.Meter(run.device)
+    meter = metrics.Meter(run.device, top5=True)
+    run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
@@ -236,10 +284,15 @@ def evaluate(run: Training) -> dict:
         )
         outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+        run.val_metrics.update(outputs, targets)
     totals = meter.all_ranks()  # the sums (one process: nothing to reduce)
-    return dict(
+    record = dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )
+    if totals.scored5:  # 5 classes or more
+        record["val_acc5"] = totals.top5_accuracy()
+    # your metrics over every sample
+    return {**record, **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -268,6 +321,15 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
             with run.ema.swapped():
                 state = ranks.unwrap(model).state_dict()
                 checkpoints.save_checkpoint(state, output_dir / "model_ema.pt", run.watchdog)
+
+
+def save_best(run: Training) -> None:
+    """model_best.pt: the weights just validated (the average's for an _ema name), plain keys."""
+    with ranks.errors_shared_by_all_ranks():
+        with run.ema.swapped_for(run.args.keep_best):
+            state = ranks.unwrap(run.model).state_dict()
+            path = Path(run.args.output_dir) / "model_best.pt"
+            checkpoints.save_checkpoint(state, path, run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -337,6 +399,9 @@ def main(teardown: ExitStack) -> None:
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    # your metrics (build_metrics), on this device; --keep-best must name a validation value
+    val_metrics = metrics.ValidationMetrics(build_metrics(args, num_classes), device)
+    checks.check_keep_best(args, val_metrics.names(), num_classes)
     run = Training(
         args=args,
         model=model,
@@ -349,6 +414,7 @@ def main(teardown: ExitStack) -> None:
         stop=stop,
         watchdog=watchdog,
         recorder=recorder,
+        val_metrics=val_metrics,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -373,9 +439,8 @@ def main(teardown: ExitStack) -> None:
     for epoch in range(start_epoch, last_epoch):
         record = train_one_epoch(run, epoch, steps_done)
         steps_done = 0
-        # every rank; --ema: the average's too
-        validation = ema.evaluated(evaluate, run)
-        recorder.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
+        # every rank, at the epoch's last step; --ema: the average's too
+        validation = validate(run, epoch, steps_per_epoch)
         record = dict(
             epoch=epoch + 1,
             **record,

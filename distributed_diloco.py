@@ -23,7 +23,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, seeds, stalls, stops, workers
+from utils import ranks, samplers, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 from utils.errors import UsageError
 from utils.ranks import log
 
-# ---- your data, model and task: replace these four bodies, nothing else ----
+# ---- your data, model and task: replace these four bodies, nothing else (and the two after them
+# when your project samples or measures in its own way) ----
 
 
 def build_datasets(args):
@@ -65,6 +66,23 @@ def collate(samples: list):
     """One batch (inputs, targets) from a list of samples, each a tensor or a tuple, list or dict of
     tensors (nested): stacked here; pad samples of different lengths (text) in your own."""
     return default_collate(samples)
+
+
+def build_sampler(args, train_set):
+    """None: a new shuffle each epoch. Or what one process would sample train_set with: a sampler
+    of indices, e.g. WeightedRandomSampler(weights, len(weights)) for imbalanced classes, or a
+    batch sampler whose batches are global batches of any size (length buckets, a token budget).
+    Every rank draws it alike from (--seed, epoch), however it draws, and takes its share of each
+    global batch, so that any number of processes trains what one does (docs/your-project.md)."""
+    return None
+
+
+def build_metrics(args, num_classes: int) -> dict:
+    """{}: loss and accuracy (and top-5 accuracy from 5 classes). Or torchmetrics metrics, e.g.
+    {"f1": MulticlassF1Score(num_classes, average="macro")} or a MetricCollection, updated with
+    each validation batch's (scores, targets) and computed over every sample once on any number of
+    processes: recorded as val_f1."""
+    return {}
 
 
 # ---- the approach ----
@@ -168,6 +186,9 @@ def build_loaders(
         # the workers' seeds from (seed, rank): the global random stream stays the model's
         generator=seeds.loader_generator(args.seed, rank),
     )
+    # your sampler (build_sampler), or None: ours shuffles
+    user_sampler = build_sampler(args, train_set)
+    samplers.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
@@ -184,7 +205,14 @@ def build_loaders(
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        if args.batch_size % world_size == 0:
+        if user_sampler is not None:
+            # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each
+            # rank its share of every global batch (one line if its ranks would draw differently)
+            train_sampler = samplers.DrawnShares(
+                user_sampler, args.batch_size, rank, world_size, args.seed
+            )
+            train_sampler.check_drawn_alike()  # all-gather, every rank
+        elif args.batch_size % world_size == 0:
             train_sampler = DistributedSampler(
                 train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
             )
@@ -194,13 +222,19 @@ def build_loaders(
             train_sampler = batches.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
-        train_loader = DataLoader(
-            train_set,
-            batch_per_rank,
-            sampler=train_sampler,
-            drop_last=True,
-            **common,
-        )
+        if getattr(train_sampler, "batches_given", False):
+            # a batch sampler's shares, lists of indices: each read as one batch
+            train_loader = DataLoader(
+                samplers.Batches(train_set), None, sampler=train_sampler, **common
+            )
+        else:
+            train_loader = DataLoader(
+                train_set,
+                batch_per_rank,
+                sampler=train_sampler,
+                drop_last=True,
+                **common,
+            )
     # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
     # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
     # repeated images)
@@ -315,6 +349,7 @@ class Training:
     stop: stops.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
+    val_metrics: metrics.ValidationMetrics  # build_metrics': over every validation sample once
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -343,8 +378,10 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         outputs = batches.forward(model, inputs)
         loss = compute_loss(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
+        # all ranks' samples in this step: --batch-size, or what your batch sampler drew
+        step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
         # this process's gradients alone: nothing is sent (weighted by its share of the batch)
-        batches.loss_for_backward(loss, num_samples, args.batch_size).backward()
+        batches.loss_for_backward(loss, num_samples, step_samples).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = run.stop.agreed()
@@ -384,7 +421,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             )
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
-            run.recorder.add(epoch, step, validate(run))
+            validate(run, epoch, step)
             model.train()
         # this point of the epoch (every rank): the same command continues from here
         if (
@@ -399,11 +436,16 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     return meter.epoch_record()
 
 
-def validate(run: Training) -> dict:
-    """The synchronised weights' validation (--ema: the average's too), and the global step they are
-    of. Every rank calls it."""
+def validate(run: Training, epoch: int, step: int) -> dict:
+    """The synchronised weights' validation at this step (--ema: the average's too) and the global
+    step they are of, recorded; --keep-best: those weights in model_best.pt where they are the best
+    so far. Every rank calls it."""
     with run.diloco.synchronised():
-        return dict(**run.ema.evaluated(evaluate, run), val_weights_step=run.diloco.at)
+        validation = dict(**run.ema.evaluated(evaluate, run), val_weights_step=run.diloco.at)
+        if run.recorder.new_best(validation):
+            save_best(run)
+    run.recorder.add(epoch, step, validation)
+    return validation
 
 
 @torch.no_grad()
@@ -415,7 +457,8 @@ def evaluate(run: Training) -> dict:
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     module.eval()
-    meter = metrics.Meter(run.device)
+    meter = metrics.Meter(run.device, top5=True)
+    run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
@@ -424,10 +467,15 @@ def evaluate(run: Training) -> dict:
         )
         outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+        run.val_metrics.update(outputs, targets)
     totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
-    return dict(
+    record = dict(
         val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
     )
+    if totals.scored5:  # 5 classes or more
+        record["val_acc5"] = totals.top5_accuracy()
+    # all-gathers, every rank: your metrics over all ranks' samples
+    return {**record, **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -470,6 +518,17 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 with run.ema.swapped():
                     state = ranks.unwrap(model).state_dict()
                     checkpoints.save_checkpoint(state, output_dir / "model_ema.pt", run.watchdog)
+
+
+def save_best(run: Training) -> None:
+    """model_best.pt: the weights just validated (the average's for an _ema name), plain keys.
+    Every rank calls it; rank 0 writes."""
+    with ranks.errors_shared_by_all_ranks():
+        if dist.get_rank() == 0:
+            with run.ema.swapped_for(run.args.keep_best):
+                state = ranks.unwrap(run.model).state_dict()
+                path = Path(run.args.output_dir) / "model_best.pt"
+                checkpoints.save_checkpoint(state, path, run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -541,6 +600,9 @@ def main(teardown: ExitStack) -> None:
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    # your metrics (build_metrics), on this device; --keep-best must name a validation value
+    val_metrics = metrics.ValidationMetrics(build_metrics(args, num_classes), device)
+    checks.check_keep_best(args, val_metrics.names(), num_classes)
     run = Training(
         args=args,
         model=model,
@@ -554,6 +616,7 @@ def main(teardown: ExitStack) -> None:
         stop=stop,
         watchdog=watchdog,
         recorder=recorder,
+        val_metrics=val_metrics,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -579,9 +642,8 @@ def main(teardown: ExitStack) -> None:
     for epoch in range(start_epoch, last_epoch):
         record = train_one_epoch(run, epoch, steps_done)
         steps_done = 0
-        # every rank; --ema: the average's too
-        validation = validate(run)
-        recorder.add(epoch, steps_per_epoch, validation)  # at the epoch's last step
+        # every rank, at the epoch's last step; --ema: the average's too
+        validation = validate(run, epoch, steps_per_epoch)
         record = dict(
             epoch=epoch + 1,
             **record,

@@ -141,6 +141,8 @@ YOUR_CLASSIFICATION_LOSS = users_code(YOUR_CLASSIFICATION)[
     "compute_loss"
 ]  # F.cross_entropy(outputs, targets)
 PLUG_POINTS = ("build_datasets", "build_model", "compute_loss", "collate")
+# the two a project adds when it samples or measures in its own way (a version before them had none)
+OPTIONAL_PLUG_POINTS = ("collate", "build_sampler", "build_metrics")
 COMMON = [
     "--batch-size",
     "32",
@@ -170,8 +172,9 @@ def copy_with_your_functions(
     script: str, directory: Path, yours: str | None, root: Path = ROOT, folder: str = "utils"
 ) -> Path:
     """script with the utils/ folder a user copies (of root: this repository, or another version of it, whose
-    files were utils.py, stalls.py and streams.py) copied into directory, its four plug-point functions replaced by
-    yours (None: its own; the script's own collate() where yours defines none). folder other than utils: ours copied under that
+    files were utils.py, stalls.py and streams.py) copied into directory, its plug-point functions replaced by
+    yours (None: its own; the script's own collate(), build_sampler() and build_metrics() where yours defines none).
+    folder other than utils: ours copied under that
     name beside a project's own utils.py, which raises on import, the script's import lines changed."""
     directory.mkdir(parents=True, exist_ok=True)
     if (root / "utils").is_dir():
@@ -187,14 +190,15 @@ def copy_with_your_functions(
     spans = {
         node.name: (node.lineno, node.end_lineno)
         for node in ast.parse(source).body
-        if isinstance(node, ast.FunctionDef) and node.name in PLUG_POINTS
+        if isinstance(node, ast.FunctionDef) and node.name in PLUG_POINTS + OPTIONAL_PLUG_POINTS
     }
-    assert len(spans) == 4, f"{script} must define {PLUG_POINTS}"
-    if yours is None:  # the script's own four
+    assert set(PLUG_POINTS) <= set(spans), f"{script} must define {PLUG_POINTS}"
+    if yours is None:  # the script's own
         first, last = min(spans.values()), max(spans.values())
         yours = "".join(lines[first[0] - 1 : last[1]])
-    if "def collate(" not in yours:
-        yours += "\n\n" + "".join(lines[spans["collate"][0] - 1 : spans["collate"][1]])
+    for name in OPTIONAL_PLUG_POINTS:
+        if f"def {name}(" not in yours and name in spans:
+            yours += "\n\n" + "".join(lines[spans[name][0] - 1 : spans[name][1]])
     spans = sorted(spans.values())
     # everything from the first function's def to the last one's end becomes the user's code
     new = lines[: spans[0][0] - 1] + [yours.lstrip("\n")] + lines[spans[-1][1] :]

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from .errors import OURS, UsageError, raised_in
 from .internals import tree_map_only
 from .ranks import all_reduce, share, world_size
+from .samplers import Batches
 
 
 class Counted(functools.partial):
@@ -200,4 +201,8 @@ def first_samples(loader: DataLoader, n: int) -> list:
         return loader.sampler.first(n)
     # A share of nothing (a validation sampler with no index) takes the first of the set.
     indices = loader.sampler or range(len(loader.dataset))
-    return [loader.dataset[i] for i in itertools.islice(indices, n)]
+    dataset = loader.dataset
+    # A batch sampler's shares are lists of indices (samplers.Batches reads them).
+    if isinstance(dataset, Batches):
+        indices, dataset = itertools.chain.from_iterable(indices), dataset.dataset
+    return [dataset[i] for i in itertools.islice(indices, n)]

@@ -212,3 +212,22 @@ def check_output_dir(path: Path) -> None:
     built."""
     path.mkdir(parents=True, exist_ok=True)
     tempfile.TemporaryFile(dir=path).close()
+
+
+def check_keep_best(args, metric_names: list[str], num_classes: int) -> None:
+    """--keep-best NAME: one line at the start where no validation will have NAME, with the names
+    there are."""
+    if args.keep_best is None:
+        return
+    names = ["val_loss", "val_acc", *metric_names]
+    if num_classes >= 5:
+        names.insert(2, "val_acc5")
+    if args.ema is not None:
+        names += [f"{name}_ema" for name in names]
+        metric_names = metric_names + [f"{name}_ema" for name in metric_names]
+    # a metric that computes a dict (torchmetrics' mAP) is recorded as val_<name>_<key>
+    if args.keep_best in names or any(args.keep_best.startswith(f"{n}_") for n in metric_names):
+        return
+    raise UsageError(
+        f"--keep-best {args.keep_best}: no validation records it; it records {', '.join(names)}"
+    )

@@ -167,6 +167,21 @@ def build_parser(description: str) -> ArgumentParser:
         help="also validate and save a moving average of the weights with this decay, e.g. 0.999"
         " (default: off)",
     )
+    add(
+        "--keep-best",
+        default=None,
+        metavar="NAME",
+        help="also write the weights of the best validation so far by NAME to"
+        " OUTPUT_DIR/model_best.pt: val_loss, val_acc, val_acc5, a val_<metric> of build_metrics,"
+        " or one of these with _ema (default: off)",
+    )
+    add(
+        "--keep-best-mode",
+        choices=["min", "max"],
+        default=None,
+        help="whether the best --keep-best value is the lowest or the highest (default: min for a"
+        " name with 'loss' in it, else max)",
+    )
     add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
     add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
     add(
@@ -259,6 +274,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
     if args.compile_mode is not None:
         args.compile = True
+    # --keep-best: lower is better for a loss (timm's rule), higher for the rest
+    if args.keep_best_mode is None and args.keep_best is not None:
+        args.keep_best_mode = "max"
+        if "loss" in args.keep_best:
+            args.keep_best_mode = "min"
     steps_to_profile(args.profile)  # a --profile that names no steps ends here
     # Optional packages are checked before any data or model is built.
     # torch.utils.tensorboard imports tensorboard.

@@ -9,10 +9,12 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import re
 import resource
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,6 +46,8 @@ class Sums:
     items: float  # what the loss is a mean over: samples, or a (sum, count) loss's count
     correct: float  # class targets scored right
     scored: float  # class targets scored
+    correct5: float  # class targets among the top 5 scores (validation, 5 classes or more)
+    scored5: float  # class targets scored so, out of 5 classes or more
     samples: float
 
     @classmethod
@@ -58,6 +62,13 @@ class Sums:
         if not self.scored:
             return None
         return self.correct / self.scored
+
+    def top5_accuracy(self) -> float | None:
+        """None where no target was a class index of 5 classes or more (or top 5 was not
+        counted)."""
+        if not self.scored5:
+            return None
+        return self.correct5 / self.scored5
 
 
 SUMS = len(dataclasses.fields(Sums))
@@ -79,6 +90,7 @@ class Meter:
         saved: dict | None = None,
         rank: int = 0,
         phases: StepPhases | None = None,
+        top5: bool = False,
     ):
         # Continued mid-epoch, rank 0 holds what all ranks had summed at the checkpoint, and what
         # the last record had read, so the records go on as before.
@@ -96,6 +108,7 @@ class Meter:
         # Each step's loss sum, (sum, count) count, and (argmax, targets) since the last record,
         # with the targets' elements and classes.
         self.totals, self.counts, self.guesses, self.kept = [], [], [], 0
+        self.hits5 = []
         self.classes = 0
         self.start = time.perf_counter()
         # The line of a batch read() could not read.
@@ -109,6 +122,8 @@ class Meter:
         self.marked_sums = self.before
         # Each step's phases on this rank (training's; a validation meter's are never read).
         self.phases = phases or StepPhases(torch.device("cpu"))
+        # Whether the targets among the top 5 scores are counted too (a validation's).
+        self.top5 = top5
 
     def update(self, loss, outputs, targets, samples: int) -> None:
         """Add a batch: its loss (a mean, or a (sum, count) pair), and its accuracy where the
@@ -135,6 +150,9 @@ class Meter:
         if guessed:
             self.guesses.append((scores.argmax(1), targets))
             self.kept += targets.numel()
+            # Validation, 5 classes or more: is the target among the top 5 scores?
+            if self.top5 and scores.shape[1] >= 5:
+                self.hits5.append((scores.topk(5, dim=1).indices == targets.unsqueeze(1)).any(1))
         if len(self.totals) == KEPT_STEPS or self.kept > KEPT_ELEMENTS:
             self.add_kept()
 
@@ -144,24 +162,29 @@ class Meter:
         is never counted right, nor scored."""
         if not self.totals:
             return
-        zero = correct = scored = counted = self.sums.new_zeros(())
+        zero = correct = scored = correct5 = scored5 = counted = self.sums.new_zeros(())
         if self.guesses:
             guesses = torch.cat([guess.flatten() for guess, _ in self.guesses])
             targets = torch.cat([target.flatten() for _, target in self.guesses])
             correct = (guesses == targets).sum()
             scored = ((targets >= 0) & (targets < self.classes)).sum()
+        # Counted, the top 5 is every kept step's (all of the same classes).
+        if self.hits5:
+            correct5 = torch.cat([hit.flatten() for hit in self.hits5]).sum()
+            scored5 = scored
         if self.counts:
             counted = torch.stack(self.counts).sum()
         total = torch.stack(self.totals).sum(dtype=torch.float64)
         # stack promotes to the sums' float64
-        self.sums += torch.stack([total, counted, correct, scored, zero])
+        self.sums += torch.stack([total, counted, correct, scored, correct5, scored5, zero])
         self.totals, self.counts, self.guesses, self.kept = [], [], [], 0
+        self.hits5 = []
 
     def all_sums(self) -> torch.Tensor:
         """This rank's sums with its host counts, on the device (copied from the host: only where a
         record is made)."""
         self.add_kept()
-        return self.sums + self.sums.new_tensor([0, self.items, 0, 0, self.samples])
+        return self.sums + self.sums.new_tensor([0, self.items, 0, 0, 0, 0, self.samples])
 
     def read(self, loader):
         """The loader's batches, up to one this rank cannot read (a bad file: a UsageError), whose
@@ -273,6 +296,8 @@ class StepRecords:
             "sums": zero_sums(),
             "recorded": zero_sums(),
             "wandb_id": all_gather_objects(uuid.uuid4().hex[:12])[0],
+            # --keep-best: the best value so far (NaN: none yet)
+            "best": torch.tensor(math.nan, dtype=torch.float64),
         }
         self.meter = None
         self.sinks = []
@@ -294,7 +319,30 @@ class StepRecords:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.saved = state
+        # A checkpoint written before --keep-best was kept holds no best.
+        self.saved = {"best": self.saved["best"], **state}
+
+    def new_best(self, validation: dict) -> bool:
+        """--keep-best NAME: does this validation's NAME beat the best so far? Then it is kept (in
+        the checkpoint) and the record says so. Every rank calls it with the same values, so all
+        agree."""
+        name = self.args.keep_best
+        if not name:
+            return False
+        value = validation.get(name)
+        if not isinstance(value, (int, float)):
+            names = ", ".join(key for key, v in validation.items() if isinstance(v, (int, float)))
+            raise UsageError(
+                f"--keep-best {name}: the validation has {'null' if name in validation else 'no'}"
+                f" {name}; it has {names}"
+            )
+        best = self.saved["best"].item()
+        lower = self.args.keep_best_mode == "min"
+        if not math.isnan(best) and (value >= best if lower else value <= best):
+            return False
+        self.saved["best"].fill_(value)
+        validation["new_best"] = name
+        return True
 
     def start(self, epoch: int, step: int) -> None:
         """On rank 0: keep the records up to the checkpoint's epochs and steps done, and start the
@@ -350,7 +398,7 @@ class StepRecords:
         """Every rank calls it at the same step: a record of values at this step, and its console
         line; a failed write ends all ranks."""
         where = f"epoch {epoch + 1}/{self.args.epochs} step {step}/{self.steps_per_epoch}"
-        log.info(f"{where} {format_record(values)}{suffix}{slow_line(values)}")
+        log.info(f"{where} {format_record(values)}{suffix}{best_line(values)}{slow_line(values)}")
         global_step = epoch * self.steps_per_epoch + step
         # the processes that took the step: an elastic run's change shows
         values = {**values, "world_size": world_size()}
@@ -369,13 +417,16 @@ class StepRecords:
         append_metrics(self.path.with_name("metrics.jsonl"), record)
         for sink in self.sinks:
             sink.log_epoch(record, record["epoch"] * self.steps_per_epoch)
-        shown = format_record(
-            record, "train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema"
-        )
+        # the training's loss and accuracy, and every validation value but the count
+        shown = [key for key in record if key.startswith("val_") and key != "val_images"]
+        shown = format_record(record, "train_loss", "train_acc", *shown)
         seconds = record["epoch_time_s"]
         speed = record["images_per_s"]
         where = f"epoch {record['epoch']}/{self.args.epochs}"
-        log.info(f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s{slow_line(record)}")
+        log.info(
+            f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s{best_line(record)}"
+            f"{slow_line(record)}"
+        )
 
 
 def format_record(record: dict, *keys: str) -> str:
@@ -386,11 +437,112 @@ def format_record(record: dict, *keys: str) -> str:
         value = record.get(key)
         if not isinstance(value, (int, float)):  # phase_ms and slow: slow_line's
             continue
-        if re.search("(loss|acc)(_ema)?$", key):
+        if re.search("(loss|acc|acc5)(_ema)?$", key):
             parts.append(f"{key} {value:.4f}")
         else:
             parts.append(f"{key} {value:.4g}")
     return " ".join(parts)
+
+
+def best_line(record: dict) -> str:
+    """', the best val_loss so far: model_best.pt' where the record is --keep-best's new best."""
+    if "new_best" not in record:
+        return ""
+    return f", the best {record['new_best']} so far: model_best.pt"
+
+
+class ValidationMetrics:
+    """build_metrics' metrics (torchmetrics': a dict of Metrics, or a MetricCollection), updated
+    with every validation batch's scores (the model's outputs, or their logits) and targets on its
+    rank, and computed over all ranks' (torchmetrics' own all-gather of their states), so every
+    validation sample counts once, as in one process: also AUROC, macro F1 or mAP, which are no
+    sums. Each is recorded as val_<name> (a metric that computes a dict: val_<name>_<key>)."""
+
+    def __init__(self, metrics, device: torch.device):
+        # A MetricCollection: the names are its own.
+        if metrics is None:
+            metrics = {}
+        if not isinstance(metrics, dict):
+            if not hasattr(metrics, "keys"):
+                raise UsageError(
+                    f"build_metrics returned a {type(metrics).__name__}: return a dict of"
+                    " torchmetrics Metrics, or a MetricCollection"
+                )
+            metrics = {"": metrics}
+        self.metrics = {name: metric.to(device) for name, metric in metrics.items()}
+        self.device = device
+
+    def list_states(self) -> list[list]:
+        """Each metric's states that are lists of tensors (kept predictions: AUROC's, mAP's), in
+        one order on every rank."""
+        states = []
+        for metric in self.metrics.values():
+            for part in metric.values() if hasattr(metric, "keys") else [metric]:
+                states += [s for s in part.metric_state.values() if isinstance(s, list)]
+        return states
+
+    def shape_empty_states(self) -> None:
+        """Every rank calls it (an all-gather): a rank that kept no prediction gets an empty one of
+        the others' shape, which torchmetrics' all-gather needs (an empty list aborts it)."""
+        states = self.list_states()
+        if not states:
+            return
+        shapes = [None] * len(states)
+        for i, state in enumerate(states):
+            if state:
+                shapes[i] = (tuple(state[0].shape[1:]), state[0].dtype)
+        everyone = all_gather_objects(shapes)
+        for i, state in enumerate(states):
+            found = next((shape[i] for shape in everyone if shape[i] is not None), None)
+            if not state and found is not None:
+                shape, dtype = found
+                state.append(torch.empty((0, *shape), dtype=dtype, device=self.device))
+
+    def names(self) -> list[str]:
+        """The names they are recorded under (a metric that computes a dict adds its keys)."""
+        names = []
+        for name, metric in self.metrics.items():
+            if name:
+                names.append(f"val_{name}")
+            else:
+                names += [f"val_{key}" for key in metric.keys()]
+        return names
+
+    def reset(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+    def update(self, outputs, targets) -> None:
+        """A validation batch of this rank: nothing read back here."""
+        scores = logits(outputs)
+        for metric in self.metrics.values():
+            metric.update(scores, targets)
+
+    def compute(self) -> dict:
+        """Every rank calls it (torchmetrics' all-gathers): val_<name> of every metric, over all
+        ranks."""
+        self.shape_empty_states()
+        values = {}
+        for name, metric in self.metrics.items():
+            with warnings.catch_warnings():
+                # a rank without validation samples (fewer than the ranks) computes too
+                warnings.filterwarnings("ignore", ".*before the ``update``")
+                value = metric.compute()
+            if not isinstance(value, dict):
+                value = {"": value}
+            for key, item in value.items():
+                full = "_".join(part for part in ("val", name, key) if part)
+                values[full] = as_number(item)
+        return values
+
+
+def as_number(value):
+    """A metric's value for the records: a float, or a list of them (a per-class value)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return value.item()
+        return value.tolist()
+    return value
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -113,6 +113,13 @@ class EMA:
         yield  # an error in it ends the run: no step is ever taken on the average
         self.swap()
 
+    def swapped_for(self, name: str | None):
+        """The average within, for a validation value of the average's (a name ending in _ema);
+        else the weights as they are."""
+        if name is not None and name.endswith("_ema"):
+            return self.swapped()
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def swap(self) -> None:
         # A tensor at a time: no second copy of the model.
