@@ -222,11 +222,14 @@ def check_keep_best(args, metric_names: list[str], num_classes: int) -> None:
     names = ["val_loss", "val_acc", *metric_names]
     if num_classes >= 5:
         names.insert(2, "val_acc5")
+    # the average's values, with --ema
+    name = args.keep_best
     if args.ema is not None:
-        names += [f"{name}_ema" for name in names]
-        metric_names = metric_names + [f"{name}_ema" for name in metric_names]
+        names += [f"{n}_ema" for n in names]
+        name = name.removesuffix("_ema")
     # a metric that computes a dict (torchmetrics' mAP) is recorded as val_<name>_<key>
-    if args.keep_best in names or any(args.keep_best.startswith(f"{n}_") for n in metric_names):
+    of_a_metric = any(name.startswith(f"{n}_") for n in metric_names)
+    if args.keep_best in names or (of_a_metric and not name.endswith("_ema")):
         return
     raise UsageError(
         f"--keep-best {args.keep_best}: no validation records it; it records {', '.join(names)}"

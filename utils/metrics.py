@@ -417,14 +417,22 @@ class StepRecords:
         append_metrics(self.path.with_name("metrics.jsonl"), record)
         for sink in self.sinks:
             sink.log_epoch(record, record["epoch"] * self.steps_per_epoch)
-        # the training's loss and accuracy, and every validation value but the count
-        shown = [key for key in record if key.startswith("val_") and key != "val_images"]
-        shown = format_record(record, "train_loss", "train_acc", *shown)
+        first = ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
+        shown = format_record(record, *first)
+        # then the other validation values (not counts): top-5, build_metrics' (and the average's)
+        others = [
+            key
+            for key, value in record.items()
+            if key.startswith("val_") and key not in first and isinstance(value, float)
+        ]
+        more = ""
+        if others:
+            more = f" {format_record(record, *others)}"
         seconds = record["epoch_time_s"]
         speed = record["images_per_s"]
         where = f"epoch {record['epoch']}/{self.args.epochs}"
         log.info(
-            f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s{best_line(record)}"
+            f"{where} {shown} time {seconds:.1f}s {speed:.0f} img/s{more}{best_line(record)}"
             f"{slow_line(record)}"
         )
 
