@@ -16,7 +16,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, samplers, seeds, stalls, stops, workers
+from utils import ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -133,19 +133,14 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
 
         train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
-    # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank
+    # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: a list of
+    # indices for each batch, read as one batch (one line if it draws differently each time)
     elif user_sampler is not None:
         train_sampler = samplers.DrawnShares(user_sampler, args.batch_size, 0, 1, args.seed)
         train_sampler.check_drawn_alike()
-        # a batch sampler's batches, lists of indices: each read as one batch
-        if train_sampler.batches_given:
-            train_loader = DataLoader(
-                samplers.Batches(train_set), None, sampler=train_sampler, **common
-            )
-        else:
-            train_loader = DataLoader(
-                train_set, args.batch_size, sampler=train_sampler, drop_last=True, **common
-            )
+        train_loader = DataLoader(
+            samplers.Batches(train_set), None, sampler=train_sampler, **common
+        )
     # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch
     # too)
     else:
@@ -187,7 +182,7 @@ class Training:
     stop: stops.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
-    val_metrics: metrics.ValidationMetrics  # build_metrics': over every validation sample once
+    val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -400,7 +395,7 @@ def main(teardown: ExitStack) -> None:
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
-    val_metrics = metrics.ValidationMetrics(build_metrics(args, num_classes), device)
+    val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
     run = Training(
         args=args,

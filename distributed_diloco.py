@@ -23,7 +23,7 @@ from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
 from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, samplers, seeds, stalls, stops, workers
+from utils import ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -202,17 +202,21 @@ def build_loaders(
             train_set, args.batch_size, rank, world_size, seed=args.seed
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
+    elif user_sampler is not None:
+        # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
+        # its share of every global batch, a list of indices read as one batch (one line if its
+        # ranks would draw differently)
+        train_sampler = samplers.DrawnShares(
+            user_sampler, args.batch_size, rank, world_size, args.seed
+        )
+        train_sampler.check_drawn_alike()  # all-gather, every rank
+        train_loader = DataLoader(
+            samplers.Batches(train_set), None, sampler=train_sampler, **common
+        )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
-        if user_sampler is not None:
-            # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each
-            # rank its share of every global batch (one line if its ranks would draw differently)
-            train_sampler = samplers.DrawnShares(
-                user_sampler, args.batch_size, rank, world_size, args.seed
-            )
-            train_sampler.check_drawn_alike()  # all-gather, every rank
-        elif args.batch_size % world_size == 0:
+        if args.batch_size % world_size == 0:
             train_sampler = DistributedSampler(
                 train_set, world_size, rank, shuffle=True, seed=args.seed, drop_last=True
             )
@@ -222,19 +226,13 @@ def build_loaders(
             train_sampler = batches.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
-        if getattr(train_sampler, "batches_given", False):
-            # a batch sampler's shares, lists of indices: each read as one batch
-            train_loader = DataLoader(
-                samplers.Batches(train_set), None, sampler=train_sampler, **common
-            )
-        else:
-            train_loader = DataLoader(
-                train_set,
-                batch_per_rank,
-                sampler=train_sampler,
-                drop_last=True,
-                **common,
-            )
+        train_loader = DataLoader(
+            train_set,
+            batch_per_rank,
+            sampler=train_sampler,
+            drop_last=True,
+            **common,
+        )
     # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
     # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
     # repeated images)
@@ -349,7 +347,7 @@ class Training:
     stop: stops.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
-    val_metrics: metrics.ValidationMetrics  # build_metrics': over every validation sample once
+    val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -601,7 +599,7 @@ def main(teardown: ExitStack) -> None:
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
-    val_metrics = metrics.ValidationMetrics(build_metrics(args, num_classes), device)
+    val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
     run = Training(
         args=args,

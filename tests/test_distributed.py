@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import distributed
 import processes
 from utils import builtin
-from utils import batches, ranks
+from utils import batches, ranks, scores
 
 from processes import (
     PYTHON,
@@ -335,11 +335,16 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
         loader = DataLoader(
             val_set, 64, collate_fn=batches.Counted(distributed.collate)
         )  # as the script makes it
-        # no watchdog thread in pytest's process: what evaluate tells it, taken and dropped; the
-        # rest of the loop's state is evaluate's no concern
+        # no watchdog thread in pytest's process: what evaluate tells it, taken and dropped; no
+        # metrics of a user's (build_metrics); the rest of the loop's state is evaluate's no concern
         watchdog = types.SimpleNamespace(batch=lambda *key: None)
         training = types.SimpleNamespace(
-            model=model, val_loader=loader, args=args, device=torch.device("cpu"), watchdog=watchdog
+            model=model,
+            val_loader=loader,
+            args=args,
+            device=torch.device("cpu"),
+            watchdog=watchdog,
+            val_metrics=scores.UserMetrics({}, torch.device("cpu")),
         )
         scored = distributed.evaluate(training)
     finally:

@@ -696,15 +696,23 @@ def code_lines(path: Path) -> int:
 # scripts + 2 for the gradients' all-reduce always through a communication hook that times its
 # last bucket (the hook picked, then registered), DiLoCo + 1 for its outer step timed as a phase;
 # then - 2 in the DDP scripts: the backward's end marked by a callback autograd runs, DDP's own
-# all-reduce again (a hook only for --comm-hook bf16).
+# all-reduce again (a hook only for --comm-hook bf16). Issue 79 (a project's sampler, metrics and
+# best weights): + 6, the two plug points build_sampler and build_metrics with their docstrings;
+# + 5, the user's sampler asked for, refused for a stream, drawn (DrawnShares), checked alike on all
+# ranks and its loader; + 1, the step's samples from a batch sampler; + 2, the metrics made and
+# --keep-best's name checked in main; + 1, their field in Training; + 4 in evaluate (the metrics
+# reset, updated, top-5 recorded, all in the record); + 5, validate() (evaluated, the best kept,
+# recorded: one call at the epoch's end and at --eval-every); + 8, save_best() (model_best.pt, the
+# average's for an _ema name; FSDP gathers); - 1 where the epoch's end validates in one call.
+# DataParallel - 1: its one process writes model_best.pt without asking which rank it is.
 SCRIPT_LINES = {
-    "dataparallel.py": 199,
-    "distributed.py": 234,
-    "distributed_mp.py": 270,
-    "distributed_amp.py": 251,
-    "distributed_grad_accum.py": 259,
-    "distributed_fsdp.py": 381,
-    "distributed_diloco.py": 236 + 50,
+    "dataparallel.py": 199 + 34,
+    "distributed.py": 234 + 35,
+    "distributed_mp.py": 270 + 35,
+    "distributed_amp.py": 251 + 35,
+    "distributed_grad_accum.py": 259 + 35,
+    "distributed_fsdp.py": 381 + 35,
+    "distributed_diloco.py": 236 + 50 + 35,
 }
 
 
@@ -741,7 +749,11 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     StepPhases, each step's phases timed on the host or by CUDA events, gathered in the records' all-reduce and read
     for a slow rank), then issue 64's machinery (22: the meter keeps each step's loss and guesses as they are and adds
     them up every 32 steps, past 2**20 target elements and at a record: 3 small ops a step where it made 14; less 2
-    for the backward's end marked by a callback, not a communication hook)."""
+    for the backward's end marked by a callback, not a communication hook), then issue 79 (208: samplers.py, a
+    project's sampler drawn whole on every rank from (seed, epoch), each rank its share of every global batch, a
+    sampler that draws differently refused; scores.py, its torchmetrics over every validation sample once, a rank
+    with none given an empty state of the others' shape; top-5 counted in the validation meter; the best validation
+    kept across a continuation, --keep-best and its mode, and the name checked at the start)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
@@ -750,7 +762,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
         sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
-        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22
+        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 208
     )
     imports = {}
     for name, path in modules.items():

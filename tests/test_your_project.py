@@ -111,7 +111,7 @@ def test_a_weighted_sampler_trains_on_any_number_of_processes_what_one_does_and_
 ):
     """WeightedRandomSampler, no generator of its own: 1 process x 64, 2 x 32 and 3 x 21-22 draw the same indices each
     epoch and end with the same weights; the rare class is drawn about five times as often; a run stopped by
-    SIGTERM in epoch 2 and continued ends as the straight one."""
+    SIGTERM in epoch 2 and continued ends as the straight one (1e-6), and continued on 3 processes as well (1e-5)."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_IMBALANCED)
     outs = {n: tmp_path / f"{n}p" for n in (1, 2, 3)}
     run_parallel(
@@ -131,21 +131,40 @@ def test_a_weighted_sampler_trains_on_any_number_of_processes_what_one_does_and_
     assert 0.24 < share < 0.37, share
     assert metrics(outs[1])[-1]["val_acc"] > 0.8, metrics(outs[1])
 
-    # preempted in epoch 2 (forward 1 is the start-up check's), continued with the same command on 2 processes
-    stopped = tmp_path / "stopped"
-    command = launch(copy, 2, *SAMPLED, "--output-dir", stopped)
-    first = run(command, env={"SIGTERM_AT_FORWARD": str(1 + 10 + 4)}, check=False, cwd=tmp_path)
-    assert first.returncode != 0 and "stopped by SIGTERM after step" in first.stderr, first.stderr
-    state = torch.load(stopped / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and 0 < state["step"] < 10, (
-        state["epoch"],
-        state["step"],
-    )  # mid-epoch 2
-    run(command, cwd=tmp_path)
-    assert max_weight_difference(stopped, outs[2]) <= 1e-6
-    assert [m["val_loss"] for m in metrics(stopped)] == pytest.approx(
+    # preempted in epoch 2 (forward 1 is the start-up check's) on 2 processes, continued with the same command on 2,
+    # and on 3
+    stopped = {n: tmp_path / f"stopped-{n}" for n in (2, 3)}
+    preempted = run_parallel(
+        [
+            (
+                launch(copy, 2, *SAMPLED, "--output-dir", out),
+                {"SIGTERM_AT_FORWARD": str(1 + 10 + 4)},
+                tmp_path,
+            )
+            for out in stopped.values()
+        ],
+        check=False,
+    )
+    for result, out in zip(preempted, stopped.values()):
+        assert result.returncode != 0 and "stopped by SIGTERM after step" in result.stderr, (
+            result.stderr
+        )
+        state = torch.load(out / "checkpoint.pt", weights_only=True)
+        assert state["epoch"] == 1 and 0 < state["step"] < 10, (
+            state["epoch"],
+            state["step"],
+        )  # mid-epoch 2
+    run_parallel(
+        [
+            (launch(copy, n, *SAMPLED, "--output-dir", out), {}, tmp_path)
+            for n, out in stopped.items()
+        ]
+    )
+    assert max_weight_difference(stopped[2], outs[2]) <= 1e-6
+    assert [m["val_loss"] for m in metrics(stopped[2])] == pytest.approx(
         [m["val_loss"] for m in metrics(outs[2])], abs=1e-6
     )
+    assert max_weight_difference(stopped[3], outs[1]) <= 1e-5
 
 
 def rare_share(epochs: dict[int, Counter]) -> float:

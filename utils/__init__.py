@@ -11,12 +11,17 @@ own utils). In the order a reader of distributed.py meets them:
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
 - seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
   dropout from (seed, rank, epoch, step), never from which rank or worker draws;
+- samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
+  as one process draws it, each rank its share of every global batch;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
 - batches: any batch of any task: counted, moved to the device, forwarded, its loss;
 - checks: one line before training for what would fail (the start-up step);
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
 - stops: the step every rank stops after (a signal, a stream that ended);
-- metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords);
+- metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
+  validation so far (--keep-best);
+- scores: a project's own validation metrics (build_metrics, torchmetrics') over every
+  validation sample once;
 - peaks: the GPUs' dense peak TFLOP/s that an epoch's MFU is measured against;
 - profiles: where a step's time goes: its phases on every rank, the slow rank named, and
   --profile A:B, torch.profiler over those steps, a trace a rank;

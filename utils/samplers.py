@@ -15,20 +15,19 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from .errors import UsageError
-from .ranks import all_gather_objects, share
+from .ranks import all_gather_objects
 from .seeds import derive, drawn_from
 
 
 class DrawnShares(Sampler):
-    """This rank's share of a user's sampler, drawn whole from (seed, epoch) on every rank.
+    """This rank's share of a user's sampler, drawn whole from (seed, epoch) on every rank: a list
+    of indices for each global batch, which a loader over Batches(dataset) reads as one batch.
 
     A sampler of indices (WeightedRandomSampler, SubsetRandomSampler, a class-balanced sampler):
     its stream is cut into global batches of batch_size (full ones, micro_batches of them a step
-    under accumulation), and rank r takes samples r, r + W, ... of each, as GlobalBatchShares does;
-    the loader batches them batch_share at a time. A batch sampler (length buckets, a token
-    budget): each of its batches is a global batch of any size, and rank r takes its items r, r +
-    W, ...: one list of indices a step, which Batches reads as one batch. Where the sampler has
-    set_epoch it is told the epoch first."""
+    under accumulation). A batch sampler (length buckets, a token budget): each of its batches is a
+    global batch of any size. Rank r takes items r, r + W, ... of each, as GlobalBatchShares does.
+    Where the sampler has set_epoch it is told the epoch first."""
 
     def __init__(
         self,
@@ -47,8 +46,6 @@ class DrawnShares(Sampler):
         self.micro_batches = micro_batches
         self.epoch = 0
         self.drawn = None  # (epoch, its global batches)
-        # epoch 1's draw: a batch sampler gives lists of indices
-        self.batches_given = self.global_batches()[0].get("given", False)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -64,27 +61,26 @@ class DrawnShares(Sampler):
                 self.sampler.set_epoch(epoch)
             return [indices_of(item) for item in self.sampler]
 
-    def global_batches(self) -> list[dict]:
-        """This epoch's global batches, drawn once an epoch: each its indices, and whether the
-        sampler gave it (a batch sampler's) or it was cut from a stream of indices."""
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's global batches, drawn once an epoch: a batch sampler's, or cut from a
+        sampler's stream of indices."""
         if self.drawn is not None and self.drawn[0] == self.epoch:
             return self.drawn[1]
         stream = self.draw(self.epoch)
         name = type(self.sampler).__name__
         if stream and isinstance(stream[0], list):
-            batches = [{"indices": batch, "given": True} for batch in stream]
-            small = next((b for b in batches if len(b["indices"]) < self.world_size), None)
-            if small is not None:
+            batches = stream
+            small = min(len(batch) for batch in batches)
+            if small < self.world_size:
                 raise UsageError(
-                    f"build_sampler's {name} gave a batch of {len(small['indices'])} samples in"
-                    f" epoch {self.epoch + 1}, fewer than the {self.world_size} processes: make"
-                    " every batch at least that large"
+                    f"build_sampler's {name} gave a batch of {small} samples in epoch"
+                    f" {self.epoch + 1}, fewer than the {self.world_size} processes: make every"
+                    " batch at least that large"
                 )
         else:
             full = len(stream) // self.batch_size * self.batch_size
             batches = [
-                {"indices": stream[start : start + self.batch_size]}
-                for start in range(0, full, self.batch_size)
+                stream[start : start + self.batch_size] for start in range(0, full, self.batch_size)
             ]
         # full steps only: micro_batches of them a step
         batches = batches[: len(batches) // self.micro_batches * self.micro_batches]
@@ -98,24 +94,18 @@ class DrawnShares(Sampler):
 
     def __iter__(self):
         for batch in self.global_batches():
-            mine = batch["indices"][self.rank :: self.world_size]
-            if batch.get("given"):
-                yield mine
-            else:
-                yield from mine
+            yield batch[self.rank :: self.world_size]
 
     def __len__(self) -> int:
-        """A batch sampler's steps a micro-step each; else this rank's indices."""
-        if self.batches_given:
-            return len(self.global_batches())
-        return len(self.global_batches()) * share(self.batch_size, self.rank, self.world_size)
+        return len(self.global_batches())
 
     def samples_in_step(self, step: int) -> int:
-        """All ranks' samples in step's batch (1-based; its micro-batches'): what a batch sampler
-        drew, where batches differ in size."""
-        batches = self.global_batches()
+        """All ranks' samples in step's batch (1-based; its micro-batches'): a batch sampler's
+        batches differ in size."""
         first = (step - 1) * self.micro_batches
-        return sum(len(b["indices"]) for b in batches[first : first + self.micro_batches])
+        return sum(
+            len(batch) for batch in self.global_batches()[first : first + self.micro_batches]
+        )
 
     def check_drawn_alike(self) -> None:
         """Every rank calls it (an all-gather): epoch 1's stream drawn again here, and on every
@@ -135,7 +125,7 @@ class DrawnShares(Sampler):
 
 def samples_in_step(sampler, step: int, batch_size: int) -> int:
     """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew."""
-    if isinstance(sampler, DrawnShares) and sampler.batches_given:
+    if isinstance(sampler, DrawnShares):
         return sampler.samples_in_step(step)
     return batch_size
 
