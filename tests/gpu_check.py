@@ -1,6 +1,6 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler, FSDP with CPU offload and
 activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a stall, a clean
-end, an image folder, and GPU JPEG decoding measured against the CPU's), for a machine with a GPU. CI has none, so
+end, a project's own sampler and metrics, an image folder, and GPU JPEG decoding measured against the CPU's), for a machine with a GPU. CI has none, so
 this is run by hand there: `python tests/gpu_check.py`; it prints what it measured, one line per check, and exits
 non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 
@@ -352,6 +352,48 @@ def your_task_on_the_gpu(tmp: Path) -> None:
     )
 
 
+def your_project_on_the_gpu(tmp: Path) -> None:
+    """A project's own sampler, metrics and best weights on cuda: a WeightedRandomSampler trains in distributed.py
+    what dataparallel.py trains; torchmetrics' macro F1 and AUROC (their states on the GPU) and top-5 equal
+    scikit-learn's on the saved weights, in DDP and FSDP; --keep-best val_f1 keeps the weights of the best F1."""
+    from sklearn.metrics import f1_score, roc_auc_score
+    from test_your_own_data import copy_with_your_functions
+    from test_your_project import MEASURED_BY, SAMPLED, YOUR_IMBALANCED, YOUR_METRICS, predictions
+
+    outs = {}
+    for script in ("distributed.py", "dataparallel.py"):
+        copy = copy_with_your_functions(script, tmp / f"sampled-{script}", YOUR_IMBALANCED)
+        outs[script] = tmp / f"sampled-{script}-out"
+        run(python(copy, *SAMPLED, "--output-dir", outs[script]), cwd=copy.parent)
+    d = max_weight_difference(outs["distributed.py"], outs["dataparallel.py"])
+    check(
+        "a WeightedRandomSampler on cuda: distributed.py == dataparallel.py", d <= 1e-4, f"{d:.2e}"
+    )
+    for script, saved in (("distributed.py", "checkpoint.pt"), ("distributed_fsdp.py", "model.pt")):
+        copy = copy_with_your_functions(script, tmp / f"metrics-{script}", YOUR_METRICS)
+        out = tmp / f"metrics-{script}-out"
+        flags = ["--keep-best", "val_f1", "--output-dir", out]
+        run(python(copy, *MEASURED_BY, *flags), cwd=copy.parent)
+        last = metrics(out)[-1]
+        state = torch.load(out / saved, map_location="cpu", weights_only=True)
+        scores, labels = predictions(YOUR_METRICS, state.get("model", state), 203)
+        f1 = f1_score(labels, scores.argmax(1), average="macro")
+        auroc = roc_auc_score(labels, scores, multi_class="ovr", average="macro")
+        best = torch.load(out / "model_best.pt", map_location="cpu", weights_only=True)
+        kept, _ = predictions(YOUR_METRICS, best, 203)
+        kept_f1 = f1_score(labels, kept.argmax(1), average="macro")
+        highest = max(m["val_f1"] for m in metrics(out))
+        check(
+            f"{script} on cuda: torchmetrics and top-5 as scikit-learn, the best F1's weights kept",
+            abs(last["val_f1"] - f1) <= 1e-4
+            and abs(last["val_auroc"] - auroc) <= 1e-4
+            and 0 < last["val_acc5"] <= 1
+            and abs(kept_f1 - highest) <= 1e-4,
+            f"val_f1 {last['val_f1']:.6f} ({f1:.6f}), val_auroc {last['val_auroc']:.6f} ({auroc:.6f}),"
+            f" model_best.pt's F1 {kept_f1:.6f} of the highest {highest:.6f}",
+        )
+
+
 def a_stream_on_the_gpu(tmp: Path) -> None:
     """A user's stream (no __len__, 20 of the 25 planned steps) with 2 DataLoader workers: DDP, whose per-step flags
     go over a gloo group beside nccl, and FSDP, whose validation agrees over nccl while any rank has a batch, train
@@ -639,6 +681,7 @@ SECTIONS = {
     "syncs": no_syncs,
     "images": images_on_the_gpu,
     "task": your_task_on_the_gpu,
+    "project": your_project_on_the_gpu,
     "stall": a_stall_on_the_gpu,
     "stream": a_stream_on_the_gpu,
     "launchers": launchers,

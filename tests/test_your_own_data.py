@@ -749,7 +749,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     StepPhases, each step's phases timed on the host or by CUDA events, gathered in the records' all-reduce and read
     for a slow rank), then issue 64's machinery (22: the meter keeps each step's loss and guesses as they are and adds
     them up every 32 steps, past 2**20 target elements and at a record: 3 small ops a step where it made 14; less 2
-    for the backward's end marked by a callback, not a communication hook), then issue 79 (208: samplers.py, a
+    for the backward's end marked by a callback, not a communication hook), then issue 79 (213: samplers.py, a
     project's sampler drawn whole on every rank from (seed, epoch), each rank its share of every global batch, a
     sampler that draws differently refused; scores.py, its torchmetrics over every validation sample once, a rank
     with none given an empty state of the others' shape; top-5 counted in the validation meter; the best validation
@@ -762,7 +762,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
         sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
-        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 208
+        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213
     )
     imports = {}
     for name, path in modules.items():

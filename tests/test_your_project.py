@@ -13,7 +13,17 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassF1Score
 
-from processes import ends_every_rank_with, max_weight_difference, metrics, run, run_parallel, steps
+from processes import (
+    OFFLINE,
+    assert_wandb_equals_the_records,
+    ends_every_rank_with,
+    max_weight_difference,
+    metrics,
+    run,
+    run_parallel,
+    steps,
+)
+from test_records import assert_tensorboard_equals_the_records
 from test_your_own_data import (
     COMMON,
     YOUR_CLASSIFICATION,
@@ -347,6 +357,7 @@ def build_metrics(args, num_classes):
     }
 """
 )
+SINKS = ["--tensorboard", "--wandb", "ddp-scripts-tests"]
 MEASURED_BY = [
     "--batch-size",
     "64",
@@ -382,32 +393,20 @@ def test_torchmetrics_count_every_validation_sample_once_on_any_number_of_proces
         s: copy_with_your_functions(s, tmp_path / s, YOUR_METRICS)
         for s in ("distributed.py", "distributed_fsdp.py")
     }
+    # (script, processes, environment, flags of its own)
     cases = {
-        "1": (copies["distributed.py"], 1, {}),
-        "2": (copies["distributed.py"], 2, {}),
-        "3": (copies["distributed.py"], 3, {}),
-        "fsdp": (copies["distributed_fsdp.py"], 3, {}),
-        "one sample": (copies["distributed.py"], 2, {"VAL_SIZE": "1"}),
+        "1": (copies["distributed.py"], 1, {}, []),
+        "2": (copies["distributed.py"], 2, OFFLINE, SINKS),  # and TensorBoard and W&B
+        "3": (copies["distributed.py"], 3, {}, []),
+        "fsdp": (copies["distributed_fsdp.py"], 3, {}, []),
+        "one sample": (copies["distributed.py"], 2, {"VAL_SIZE": "1"}, []),
     }
     outs = {name: tmp_path / name.replace(" ", "-") for name in cases}
+    every = [*MEASURED_BY, "--ema", "0.5", "--eval-every", "4"]
     run_parallel(
         [
-            (
-                launch(
-                    copy,
-                    n,
-                    *MEASURED_BY,
-                    "--ema",
-                    "0.5",
-                    "--eval-every",
-                    "4",
-                    "--output-dir",
-                    outs[name],
-                ),
-                env,
-                tmp_path,
-            )
-            for name, (copy, n, env) in cases.items()
+            (launch(copy, n, *every, *flags, "--output-dir", outs[name]), env, tmp_path)
+            for name, (copy, n, env, flags) in cases.items()
         ],
         at_once=2,
     )
@@ -438,9 +437,11 @@ def test_torchmetrics_count_every_validation_sample_once_on_any_number_of_proces
             assert last[f"val_f1{suffix}"] == pytest.approx(f1, abs=1e-6), (name, suffix, last)
         # mid-epoch validations record them too
         assert all("val_f1" in r and "val_auroc_ema" in r for r in steps(out) if "val_loss" in r)
-    assert (
-        0.3 < metrics(outs["3"])[-1]["val_f1"] < 0.95
-    )  # neither chance (1/6) nor perfect: a real test of order
+    # TensorBoard and W&B got every record, val_f1 and val_auroc too
+    assert_tensorboard_equals_the_records(outs["2"])
+    assert_wandb_equals_the_records(outs["2"], runs=1)
+    # neither chance (1/6) nor perfect: a real test of the order of the scores
+    assert 0.3 < metrics(outs["3"])[-1]["val_f1"] < 0.95
 
 
 # 64 training samples of which a third have a random label, a wide MLP and a high learning rate: validation loss
@@ -533,7 +534,7 @@ def test_keep_best_keeps_the_best_validations_weights_and_a_continued_run_the_sa
     kept = torch.load(straight / "model_best.pt", weights_only=True)
     assert validation_loss(YOUR_OVERFIT, kept) == pytest.approx(min(losses), abs=1e-5)
     assert "val_acc_ema" not in records[0] and re.search(
-        rf"^epoch {lowest + 1}/12 .* img/s, the best val_loss so far: model_best.pt$",
+        rf"^epoch {lowest + 1}/12 .* img/s, the best val_loss so far: model_best.pt",
         results[0].stdout,
         re.M,
     ), results[0].stdout

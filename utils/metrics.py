@@ -335,10 +335,16 @@ class StepRecords:
                 f"--keep-best {name}: the validation has {'null' if name in validation else 'no'}"
                 f" {name}; it has {names}"
             )
-        best = self.saved["best"].item()
-        lower = self.args.keep_best_mode == "min"
-        if not math.isnan(best) and (value >= best if lower else value <= best):
+        # a value that is no number (an AUROC of one class) is never the best
+        if math.isnan(value):
             return False
+        best = self.saved["best"].item()
+        if not math.isnan(best):
+            better = value < best
+            if self.args.keep_best_mode == "max":
+                better = value > best
+            if not better:
+                return False
         self.saved["best"].fill_(value)
         validation["new_best"] = name
         return True
