@@ -8,6 +8,7 @@ global batches are not one process's and the ranks agree only if their streams h
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import operator
 
@@ -16,7 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from .errors import UsageError
 from .ranks import all_gather_objects
-from .seeds import derive, drawn_from
+from .seeds import SampleSeeds, derive, drawn_from
 
 
 class DrawnShares(Sampler):
@@ -93,8 +94,15 @@ class DrawnShares(Sampler):
         return batches
 
     def __iter__(self):
+        # each index with how often the epoch drew it before (a sampler with replacement), so that
+        # a repeat draws its random transforms anew, alike on any number of ranks
+        drawn = collections.Counter()
         for batch in self.global_batches():
-            yield batch[self.rank :: self.world_size]
+            repeats = []
+            for index in batch:
+                repeats.append((index, drawn[index]))
+                drawn[index] += 1
+            yield repeats[self.rank :: self.world_size]
 
     def __len__(self) -> int:
         return len(self.global_batches())
@@ -131,8 +139,9 @@ def samples_in_step(sampler, step: int, batch_size: int) -> int:
 
 
 class Batches(Dataset):
-    """A dataset read a list of indices at a time: this rank's share of a batch sampler's global
-    batch, which the loader's collate makes one batch. Other attributes are the dataset's own."""
+    """A dataset read a list of (index, repeat) at a time: this rank's share of a global batch,
+    which the loader's collate makes one batch; a sample drawn again in the epoch is read as its
+    repeat (SampleSeeds.read). Other attributes are the dataset's own."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -140,8 +149,13 @@ class Batches(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, indices: list) -> list:
-        return [self.dataset[index] for index in indices]
+    def __getitem__(self, drawn: list) -> list:
+        return [self.read(index, repeat) for index, repeat in drawn]
+
+    def read(self, index: int, repeat: int):
+        if repeat and isinstance(self.dataset, SampleSeeds):
+            return self.dataset.read(index, repeat)
+        return self.dataset[index]
 
     def __getattr__(self, name: str):
         # Dunder names stay ours; "dataset" is not yet set while a worker unpickles this.

@@ -8,14 +8,18 @@ the loaders' workers from (seed, rank) (loader_generator).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import itertools
+import operator
 import random
 import sys
+import types
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, get_worker_info
 
 
 def derive(*keys) -> int:
@@ -35,14 +39,16 @@ def seed_data_streams(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def drawn_from(seed: int, *where):
-    """with drawn_from(seed, *where): the block's draws come from (seed, *where) alone. In a rank's
-    own process (no DataLoader worker) torch's stream is given back afterwards: it is the model's
-    (dropout)."""
+def drawn_from(seed: int, *where, generators: list = ()):
+    """with drawn_from(seed, *where): the block's draws come from (seed, *where) alone, from the
+    global streams and from generators (a dataset's own). In a rank's own process (no DataLoader
+    worker) torch's stream is given back afterwards: it is the model's (dropout)."""
     kept = None
     if get_worker_info() is None:
         kept = torch.default_generator.get_state()
     seed_data_streams(derive(seed, *where))
+    if generators:
+        seed_generators(generators, derive(seed, "own", *where))
     try:
         yield
     finally:
@@ -52,34 +58,120 @@ def drawn_from(seed: int, *where):
 
 class SampleSeeds(Dataset):
     """A map-style Dataset whose every sample is read with its random streams seeded from (seed,
-    epoch, index): its random transforms (torchvision's, Albumentations', your own) do not depend
-    on the rank, the worker, their numbers or what was read before. Other attributes are the
-    dataset's own."""
+    epoch, index), and the generators the dataset keeps for itself (own_generators: Albumentations'
+    and a NumPy Generator of its own) too: its random transforms (torchvision's, Albumentations',
+    your own) do not depend on the rank, the worker, their numbers or what was read before. Other
+    attributes are the dataset's own, read and written."""
+
+    OWN = ("dataset", "seed", "epoch", "generators")
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset = dataset
         self.seed = seed
         # In shared memory: persistent DataLoader workers read what set_epoch writes here.
         self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
+        # Found once; pickled with the dataset, they are still its own in a worker.
+        self.generators = own_generators(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        with drawn_from(self.seed, int(self.epoch), index):
+        return self.read(index)
+
+    def read(self, index, repeat: int = 0):
+        """The sample at index, drawn from (seed, epoch, index); its repeat-th draw in the epoch
+        (a sampler with replacement) from (seed, epoch, index, repeat), so a repeat draws anew."""
+        where = (int(self.epoch), operator.index(index))
+        if repeat:
+            where += (repeat,)
+        with drawn_from(self.seed, *where, generators=self.generators):
             return self.dataset[index]
 
     def __getattr__(self, name: str):
         # Dunder names stay ours: a __getitems__ of the dataset would read unseeded.
-        if name.startswith("__") or name == "dataset":
+        if name.startswith("__") or name in self.OWN:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        # What a user's code sets (a curriculum's stage) reaches the dataset.
+        if name in self.OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the samples' draws come from; passed on to the dataset's own set_epoch."""
+        """The epoch the samples' draws come from; passed on to the dataset's own set_epoch, and to
+        the datasets' inside a Subset or a ConcatDataset."""
         self.epoch.fill_(epoch)
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        for dataset in nested_datasets(self.dataset):
+            if hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(epoch)
+
+
+def nested_datasets(dataset: Dataset) -> list[Dataset]:
+    """dataset, and those a Subset or a ConcatDataset (nested too) reads from."""
+    found = [dataset]
+    if isinstance(dataset, Subset):
+        found += nested_datasets(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        for part in dataset.datasets:
+            found += nested_datasets(part)
+    return found
+
+
+# Where own_generators does not look: what holds no generator, and what is too large to walk.
+LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, types.ModuleType, type)
+LONGEST = 10_000
+
+
+def own_generators(obj) -> list:
+    """The random generators obj keeps for itself, in its attributes, lists and dicts, nested:
+    NumPy Generators and RandomStates, torch.Generators, random.Randoms (Albumentations' Compose
+    and each of its transforms hold a NumPy and a Python one); each once, in one order."""
+    numpy = sys.modules.get("numpy")
+    kinds = (random.Random, torch.Generator)
+    if numpy is not None:
+        kinds += (numpy.random.Generator, numpy.random.RandomState)
+    found, seen, todo = [], set(), collections.deque([obj])
+    while todo:
+        item = todo.popleft()
+        if (
+            id(item) in seen
+            or isinstance(item, LEAVES)
+            or callable(item)
+            and not hasattr(item, "__dict__")
+        ):
+            continue
+        seen.add(id(item))
+        if isinstance(item, kinds):
+            found.append(item)
+        elif numpy is not None and isinstance(item, numpy.ndarray):
+            continue
+        elif isinstance(item, dict):
+            todo.extend(itertools.islice(item.values(), LONGEST))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(itertools.islice(item, LONGEST))
+        elif hasattr(item, "__dict__"):
+            todo.extend(vars(item).values())
+    return found
+
+
+def seed_generators(generators: list, seed: int) -> None:
+    """Each generator reseeded in place from (seed, its place): whoever holds it draws anew."""
+    numpy = sys.modules.get("numpy")
+    for place, generator in enumerate(generators):
+        own = derive(seed, place)
+        if isinstance(generator, torch.Generator):
+            generator.manual_seed(own)
+        elif isinstance(generator, random.Random):
+            generator.seed(own)
+        elif isinstance(generator, numpy.random.Generator):
+            bits = generator.bit_generator
+            bits.state = type(bits)(own).state
+        else:  # a NumPy RandomState
+            generator.seed(own % 2**32)
 
 
 def per_sample(dataset: Dataset, seed: int) -> Dataset:

@@ -1,0 +1,224 @@
+"""Random state the user's objects keep for themselves, and a sample drawn twice in an epoch: Albumentations 2.x
+transforms (each Compose and transform holds its own NumPy and Python generators) and a Dataset's own NumPy
+Generator are reseeded per sample from (seed, epoch, index), so 2 processes x 2 workers train what 1 process
+without workers trains; a sampler with replacement draws a repeated index's transforms anew, still alike over
+world sizes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from processes import max_weight_difference, metrics, run_parallel
+from test_your_own_data import copy_with_your_functions, launch
+from utils import seeds
+
+COMMON = ["--batch-size", "32", "--epochs", "2", "--lr", "0.05", "--timeout", "60"]
+
+# 3x12x12 images around one centre per class (one array: nothing a worker's pickle holds many of), augmented by
+# Albumentations as a segmentation or Kaggle pipeline does
+YOUR_ALBUMENTATIONS = """
+import albumentations as A
+import numpy as np
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __init__(self, size: int, seed: int):
+        rng = np.random.default_rng(seed)
+        centres = np.random.default_rng(0).normal(size=(4, 12, 12, 3)).astype(np.float32)
+        self.labels = rng.integers(0, 4, size)
+        self.images = (centres[self.labels] + rng.normal(size=(size, 12, 12, 3))).astype(np.float32)
+        self.transform = A.Compose(
+            [A.RandomResizedCrop(size=(8, 8), scale=(0.3, 1.0)), A.HorizontalFlip(), A.GaussNoise(p=0.5)]
+        )
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.transform(image=self.images[index])["image"]
+        return torch.from_numpy(image).permute(2, 0, 1).contiguous(), int(self.labels[index])
+
+
+def build_datasets(args):
+    return Augmented(320, 1), Augmented(101, 2), 4
+
+
+def build_model(args, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.Tanh(), nn.Linear(32, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+
+# a Dataset that adds noise from a NumPy Generator of its own, seeded once: every worker would unpickle the same
+# state and step it on its own share
+YOUR_OWN_GENERATOR = """
+import numpy as np
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        self.labels = torch.randint(0, 4, (size,), generator=generator)
+        self.inputs = centres[self.labels]
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        noise = torch.from_numpy(self.rng.normal(size=(1, 8, 8)).astype("float32"))
+        return self.inputs[index] + 1.5 * noise, int(self.labels[index])
+
+
+def build_datasets(args):
+    return Noisy(320, 1), Noisy(101, 2), 4
+
+
+def build_model(args, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+OWN_STATE = {"albumentations": YOUR_ALBUMENTATIONS, "its own NumPy Generator": YOUR_OWN_GENERATOR}
+
+
+@pytest.mark.parametrize("case", OWN_STATE)
+def test_random_state_a_dataset_keeps_for_itself_is_drawn_per_sample(case, tmp_path):
+    """2 processes x 2 DataLoader workers train the weights of 1 process without workers (1e-5): each sample's
+    draws come from (seed, epoch, index), whichever worker or rank reads it."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", OWN_STATE[case])
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_parallel(
+        [
+            (launch(copy, 1, *COMMON, "--workers", "0", "--output-dir", one), {}, tmp_path),
+            (launch(copy, 2, *COMMON, "--workers", "2", "--output-dir", two), {}, tmp_path),
+        ]
+    )
+    assert max_weight_difference(one, two) <= 1e-5
+    assert metrics(one)[-1]["val_acc"] > 0.5, metrics(one)  # it learns (chance is 0.25)
+
+
+# random crops of a few images, drawn with replacement: indices repeat within an epoch; each read logs its index and
+# its crop's fingerprint
+YOUR_REPEATS = """
+import os
+
+from torchvision.transforms import v2 as T
+
+
+class Crops(torch.utils.data.Dataset):
+    def __init__(self, size: int, seed: int, log: str | None = None):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+        self.labels = torch.randint(0, 4, (size,), generator=generator)
+        self.images = centres[self.labels] + torch.randn(size, 3, 12, 12, generator=generator)
+        self.transform = T.Compose([T.RandomResizedCrop(8, scale=(0.3, 1.0), antialias=True), T.RandomHorizontalFlip()])
+        self.log, self.epoch = log, None
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.transform(self.images[index])
+        if self.log and self.epoch is not None:
+            with open(f"{self.log}/crops-{os.environ.get('RANK', '0')}.txt", "a") as f:
+                f.write(f"{self.epoch} {index} {image.sum().item()!r}\\n")
+        return image, int(self.labels[index])
+
+
+def build_datasets(args):
+    os.makedirs(args.output_dir, exist_ok=True)
+    return Crops(64, 1, args.output_dir), Crops(101, 2), 4
+
+
+def build_model(args, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.Tanh(), nn.Linear(32, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+
+
+def build_sampler(args, train_set):
+    return torch.utils.data.WeightedRandomSampler(torch.ones(64), 320, replacement=True)
+"""
+
+
+def crops(out: Path) -> dict[tuple[int, int], list[float]]:
+    """Each (epoch, index) read in training, and the fingerprints of its crops, over all ranks."""
+    read = defaultdict(list)
+    for path in out.glob("crops-*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, index, fingerprint = line.split()
+            read[int(epoch), int(index)].append(float(fingerprint))
+    return read
+
+
+def test_an_index_drawn_twice_in_an_epoch_draws_its_crop_anew_on_any_number_of_processes(tmp_path):
+    """A sampler with replacement (320 draws of 64 images): the repeats of an index get crops of their own (over 90 %
+    of the draws distinct), as one process reading the stream would draw them; 2 processes read the same crops and train what 1 does (1e-5)."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_REPEATS)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_parallel(
+        [
+            (launch(copy, 1, *COMMON, "--workers", "0", "--output-dir", one), {}, tmp_path),
+            (launch(copy, 2, *COMMON, "--workers", "0", "--output-dir", two), {}, tmp_path),
+        ]
+    )
+    read = crops(one)
+    repeated = [sorted(prints) for prints in read.values() if len(prints) > 1]
+    assert len(repeated) > 40  # most of the 64 images are drawn several times an epoch
+    # each draw its own crop (a 12x12 image has few crop boxes: two draws may meet); keyed by the index alone, every
+    # repeat would be the first draw's
+    distinct = sum(len(set(prints)) for prints in repeated) / sum(
+        len(prints) for prints in repeated
+    )
+    assert distinct > 0.9, distinct
+    assert {key: sorted(prints) for key, prints in crops(two).items()} == {
+        key: sorted(prints) for key, prints in read.items()
+    }
+    assert max_weight_difference(one, two) <= 1e-5
+
+
+class Stage(torch.utils.data.Dataset):
+    """A sample is a draw of torch's stream and the dataset's stage; set_epoch recorded."""
+
+    def __init__(self):
+        self.stage, self.epochs = 0, []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.rand(()).item(), self.stage
+
+
+def test_the_seeded_dataset_keys_by_python_ints_passes_writes_on_and_reaches_set_epoch_under_subset_and_concat():
+    """An index as a NumPy integer draws what the same Python int draws; a write to the wrapped dataset (a
+    curriculum's stage) reaches it; set_epoch reaches datasets inside a Subset and a ConcatDataset."""
+    inner, other = Stage(), Stage()
+    wrapped = seeds.per_sample(
+        torch.utils.data.ConcatDataset([torch.utils.data.Subset(inner, range(4)), other]), seed=0
+    )
+    assert wrapped[np.int64(5)] == wrapped[5] and wrapped[5] != wrapped[6]
+    wrapped.set_epoch(3)
+    assert inner.epochs == other.epochs == [3]
+    plain = seeds.per_sample(Stage(), seed=0)
+    plain.stage = 2
+    assert plain[0][1] == 2 and plain.dataset.stage == 2
