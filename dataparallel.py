@@ -126,6 +126,11 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
     val_set = seeds.per_sample(val_set, args.seed)
+    # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any number
+    # of workers and when continued
+    seeded = dict(
+        common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, 0)
+    )
     # one process loads the whole batch; DataParallel splits it over the GPUs
     # a stream is read here (utils/streams.py), as the DDP scripts read it at world size 1
     if isinstance(train_set, IterableDataset):
@@ -139,7 +144,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         train_sampler = samplers.DrawnShares(user_sampler, args.batch_size, 0, 1, args.seed)
         train_sampler.check_drawn_alike()
         train_loader = DataLoader(
-            samplers.Batches(train_set), None, sampler=train_sampler, **common
+            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
         )
     # the whole set, in the order of the DDP scripts' DistributedSampler at world size 1 (set_epoch
     # too)
@@ -152,7 +157,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
             args.batch_size,
             sampler=train_sampler,
             drop_last=True,
-            **common,
+            **seeded,
         )
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
     if isinstance(val_set, IterableDataset):

@@ -197,6 +197,11 @@ def build_loaders(
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
     val_set = seeds.per_sample(val_set, args.seed)
+    # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any number
+    # of workers and when continued
+    seeded = dict(
+        common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
+    )
     # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
@@ -221,7 +226,7 @@ def build_loaders(
         )
         train_sampler.check_drawn_alike()  # all-gather, every rank
         train_loader = DataLoader(
-            samplers.Batches(train_set), None, sampler=train_sampler, **common
+            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
         )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
@@ -241,7 +246,7 @@ def build_loaders(
             batch_per_rank,
             sampler=train_sampler,
             drop_last=True,
-            **common,
+            **seeded,
         )
     # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
     # or its own shards): every image exactly once (DistributedSampler would pad the last shard with

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from processes import max_weight_difference, metrics, run_parallel
+from processes import max_weight_difference, metrics, run, run_parallel
 from test_your_own_data import copy_with_your_functions, launch
 from utils import seeds
 
@@ -222,3 +222,87 @@ def test_the_seeded_dataset_keys_by_python_ints_passes_writes_on_and_reaches_set
     plain = seeds.per_sample(Stage(), seed=0)
     plain.stage = 2
     assert plain[0][1] == 2 and plain.dataset.stage == 2
+
+
+# torchvision's CutMix in collate (it draws from torch's stream: the box and its size); the model sends its own
+# process SIGTERM in its SIGTERM_AT_FORWARD-th training forward, as a scheduler's preemption
+YOUR_CUTMIX = """
+import os
+import signal
+
+from torchvision.transforms import v2 as T
+
+CUTMIX = T.CutMix(num_classes=4)
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+        self.labels = torch.randint(0, 4, (size,), generator=generator)
+        self.images = centres[self.labels] + torch.randn(size, 3, 8, 8, generator=generator)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.images[index], int(self.labels[index])
+
+
+class Preempted(nn.Sequential):
+    forwards = 0
+
+    def forward(self, x):
+        self.forwards += self.training
+        if self.forwards == int(os.environ.get("SIGTERM_AT_FORWARD", 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().forward(x)
+
+
+def build_datasets(args):
+    return Images(320, 1), Images(101, 2), 4
+
+
+def build_model(args, num_classes):
+    return Preempted(nn.Flatten(), nn.Linear(192, 32), nn.Tanh(), nn.Linear(32, num_classes))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)  # the mixed labels: a distribution over the classes
+
+
+def collate(samples):
+    return CUTMIX(*torch.utils.data.default_collate(samples))
+"""
+
+
+def test_a_collate_that_mixes_draws_alike_with_any_number_of_workers_and_when_continued(tmp_path):
+    """CutMix in collate: 1 process trains the same weights with --workers 0 (the collate in the rank's own process,
+    whose torch stream is the model's) and --workers 2 (in a worker, after its samples' draws); 2 processes
+    stopped by SIGTERM mid-epoch and continued equal a straight run with workers (1e-6)."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_CUTMIX)
+    outs = {name: tmp_path / name for name in ("0 workers", "2 workers", "straight", "stopped")}
+    flags = {
+        "0 workers": (1, "0", {}),
+        "2 workers": (1, "2", {}),
+        "straight": (2, "2", {}),
+        "stopped": (2, "0", {"SIGTERM_AT_FORWARD": str(1 + 10 + 3)}),  # in epoch 2
+    }
+    results = run_parallel(
+        [
+            (
+                launch(copy, n, *COMMON, "--workers", workers, "--output-dir", outs[name]),
+                env,
+                tmp_path,
+            )
+            for name, (n, workers, env) in flags.items()
+        ],
+        check=False,
+        at_once=2,
+    )
+    assert [r.returncode for r in results[:3]] == [0, 0, 0], [r.stderr[-2000:] for r in results[:3]]
+    assert "stopped by SIGTERM after step" in results[3].stderr, results[3].stderr
+    run(launch(copy, 2, *COMMON, "--workers", "0", "--output-dir", outs["stopped"]), cwd=tmp_path)
+    assert max_weight_difference(outs["0 workers"], outs["2 workers"]) <= 1e-6
+    assert max_weight_difference(outs["stopped"], outs["straight"]) <= 1e-6
+    assert metrics(outs["straight"])[-1]["val_loss"] < 1.0, metrics(outs["straight"])  # it learns

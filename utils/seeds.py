@@ -63,7 +63,7 @@ class SampleSeeds(Dataset):
     your own) do not depend on the rank, the worker, their numbers or what was read before. Other
     attributes are the dataset's own, read and written."""
 
-    OWN = ("dataset", "seed", "epoch", "generators")
+    OWN = ("dataset", "seed", "epoch", "generators", "last_drawn")
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset = dataset
@@ -86,7 +86,10 @@ class SampleSeeds(Dataset):
         if repeat:
             where += (repeat,)
         with drawn_from(self.seed, *where, generators=self.generators):
-            return self.dataset[index]
+            sample = self.dataset[index]
+        # where the collate that follows in this process draws from (SeededCollate)
+        self.last_drawn = where
+        return sample
 
     def __getattr__(self, name: str):
         # Dunder names stay ours: a __getitems__ of the dataset would read unseeded.
@@ -108,6 +111,28 @@ class SampleSeeds(Dataset):
         for dataset in nested_datasets(self.dataset):
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
+
+
+class SeededCollate:
+    """A loader's collate whose draws (MixUp, CutMix) come from where its batch is: (seed, rank,
+    the place of the last sample it collates), read in the same process just before. So they are
+    alike with any number of DataLoader workers (in a worker, or in the rank's own process, whose
+    torch stream is the model's) and in a continued run; over world sizes, where a global batch is
+    split, alike in distribution. A dataset that does not say where it drew (a stream, the built-in
+    images) leaves the collate as it is."""
+
+    def __init__(self, collate, dataset: Dataset, seed: int, rank: int):
+        self.collate = collate
+        self.dataset = dataset
+        self.seed = seed
+        self.rank = rank
+
+    def __call__(self, samples: list):
+        last = getattr(self.dataset, "last_drawn", None)
+        if last is None:
+            return self.collate(samples)
+        with drawn_from(self.seed, "collate", self.rank, *last):
+            return self.collate(samples)
 
 
 def nested_datasets(dataset: Dataset) -> list[Dataset]:
