@@ -306,3 +306,67 @@ def test_a_collate_that_mixes_draws_alike_with_any_number_of_workers_and_when_co
     assert max_weight_difference(outs["0 workers"], outs["2 workers"]) <= 1e-6
     assert max_weight_difference(outs["stopped"], outs["straight"]) <= 1e-6
     assert metrics(outs["straight"])[-1]["val_loss"] < 1.0, metrics(outs["straight"])  # it learns
+
+
+# a model that weighs a block by a draw of Python's and NumPy's global streams (stochastic depth as some code writes
+# it), over a Dataset that draws from the same streams as it reads
+YOUR_PYTHON_RANDOM_MODEL = """
+import random
+
+import numpy as np
+
+
+class Jittered(torch.utils.data.Dataset):
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        centres = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        self.labels = torch.randint(0, 4, (size,), generator=generator)
+        self.inputs = centres[self.labels] + torch.randn(size, 1, 8, 8, generator=generator)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.inputs[index] * (0.9 + 0.2 * random.random()) + 0.1 * np.random.rand(), int(self.labels[index])
+
+
+class RandomDepth(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.stem, self.block, self.head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x.flatten(1)))
+        # the block's weight drawn for each step in training (its mean in evaluation)
+        depth = 0.5
+        if self.training:
+            depth = random.random() * 0.9 + 0.1 * np.random.rand()
+        return self.head(h + depth * torch.tanh(self.block(h)))
+
+
+def build_datasets(args):
+    return Jittered(320, 1), Jittered(101, 2), 4
+
+
+def build_model(args, num_classes):
+    return RandomDepth(num_classes)
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+
+
+def test_the_models_python_and_numpy_draws_do_not_depend_on_where_the_samples_were_read(tmp_path):
+    """Python's and NumPy's global streams, which the samples' reads seed, are the step's own again before its
+    forward (as torch's is): a model drawing from them trains the same weights with --workers 0 (the samples read
+    in the rank's own process) and --workers 2."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_PYTHON_RANDOM_MODEL)
+    outs = [tmp_path / "0", tmp_path / "2"]
+    run_parallel(
+        [
+            (launch(copy, 1, *COMMON, "--workers", w, "--output-dir", out), {}, tmp_path)
+            for w, out in zip("02", outs)
+        ]
+    )
+    assert max_weight_difference(*outs) <= 1e-6

@@ -3,7 +3,9 @@ draws it. A sample's random transforms from (seed, epoch, index) (per_sample; a 
 its place, sample_streams), so that W processes with any number of workers train what one does;
 randomness inside the model (dropout) from (seed, rank, epoch, step) (seed_step): each rank its own,
 as one process draws its own for each sample, and a continued run draws what a straight one does;
-the loaders' workers from (seed, rank) (loader_generator).
+the loaders' workers from (seed, rank) (loader_generator); the generators a dataset keeps for
+itself reseeded per sample (own_generators); a collate's draws from its batch's place
+(SeededCollate).
 """
 
 from __future__ import annotations
@@ -226,10 +228,12 @@ def seed_step(seed: int, epoch: int, step: int) -> None:
     """Before a step's forward: this rank's own random streams inside the model (dropout,
     stochastic depth), on the CPU and every GPU (DataParallel's replicas each their own), from
     (seed, rank, epoch, step), so that ranks draw independently and a run continued at any step
-    draws what a straight one does. No GPU work: a generator's seed is set on the host."""
+    draws what a straight one does. Python's and NumPy's global streams too: what the samples read
+    in this process before (their own seeds) is given back to the step's code. No GPU work: a
+    generator's seed is set on the host."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     step_seed = derive(seed, "model", rank, epoch, step)
-    torch.default_generator.manual_seed(step_seed)
+    seed_data_streams(step_seed)
     if torch.cuda.is_initialized():
         for device, generator in enumerate(torch.cuda.default_generators):
             generator.manual_seed(derive(step_seed, device))
