@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from processes import max_weight_difference, metrics, run, run_parallel
+from processes import ends_every_rank_with, max_weight_difference, metrics, run, run_parallel
 from test_your_own_data import copy_with_your_functions, launch
 from utils import seeds
 
@@ -370,3 +370,30 @@ def test_the_models_python_and_numpy_draws_do_not_depend_on_where_the_samples_we
         ]
     )
     assert max_weight_difference(*outs) <= 1e-6
+
+
+# a Dataset whose generator lives in a closure: no attribute holds it, so nothing can reseed it per sample
+YOUR_HIDDEN_GENERATOR = YOUR_OWN_GENERATOR.replace(
+    "        self.rng = np.random.default_rng(seed)",
+    "        rng = np.random.default_rng(seed)\n        self.noise = lambda: rng.normal(size=(1, 8, 8))",
+).replace("self.rng.normal(size=(1, 8, 8))", "self.noise()")
+
+
+def test_random_state_the_scripts_cannot_reach_ends_every_rank_with_one_line(tmp_path):
+    """A generator in a closure: sample 0 read twice from the same seeds differs, so the start-up check ends every
+    rank with one line naming the Dataset, before training."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_HIDDEN_GENERATOR)
+    result = run(
+        launch(copy, 2, *COMMON, "--workers", "0", "--output-dir", tmp_path / "out"),
+        cwd=tmp_path,
+        check=False,
+    )
+    ends_every_rank_with(
+        result,
+        "error: your Noisy reads sample 0 differently from the same seeds: it draws from a random state of its own"
+        " that the scripts cannot reach, so ranks and workers would draw apart; keep its generator in an attribute"
+        " (a NumPy Generator, a torch.Generator, a random.Random) or draw from torch's, Python's or NumPy's global"
+        " streams",
+        ranks=2,
+    )
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batches import batch_to_device, first_samples, forward
+from .samplers import Batches
+from .seeds import SampleSeeds
 from .errors import LIBRARIES, UsageError, called_from, first_line, raised_in
 from .ranks import errors_shared_by_all_ranks, local_shard
 
@@ -68,6 +70,8 @@ def first_step_flops(
             # Two samples for the step, more for the labels' check below (a stream's: its first
             # reader's).
             first = first_samples(loader, 256)
+            # a Dataset's random state that its per-sample seeds cannot reach
+            check_draws_reach(loader.dataset)
             samples, batch, more = collate_first(loader, first)
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
             try:
@@ -106,6 +110,45 @@ def first_step_flops(
         )
     flops = forward_flops.get_total_flops() + backward_flops.get_total_flops()
     return flops / samples
+
+
+def check_draws_reach(dataset) -> None:
+    """A Dataset whose first sample, read twice from the same seeds, differs keeps random state
+    that neither the global streams nor the generators found in it reach (a generator in a closure,
+    a library's own in C): one line naming it, not a run whose ranks and workers draw apart."""
+    if isinstance(dataset, Batches):
+        dataset = dataset.dataset
+    if not isinstance(dataset, SampleSeeds) or len(dataset) == 0:
+        return
+    if not alike(dataset.read(0), dataset.read(0)):
+        name = type(dataset.dataset).__name__
+        raise UsageError(
+            f"your {name} reads sample 0 differently from the same seeds: it draws from a random"
+            " state of its own that the scripts cannot reach, so ranks and workers would draw"
+            " apart; keep its generator in an attribute (a NumPy Generator, a torch.Generator, a"
+            " random.Random) or draw from torch's, Python's or NumPy's global streams"
+        )
+
+
+def alike(a, b) -> bool:
+    """Are two samples the same: tensors and arrays element for element (NaN where NaN), nested
+    in tuples, lists and dicts; anything else by ==."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.eq(a, b).logical_or(a.ne(a) & b.ne(b)).all())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    if hasattr(a, "__array__") and hasattr(b, "__array__"):  # NumPy arrays, PIL images
+        import numpy
+
+        a, b = numpy.asarray(a), numpy.asarray(b)
+        nan = a.dtype.kind in "fc" and b.dtype.kind in "fc"
+        return a.shape == b.shape and bool(numpy.array_equal(a, b, equal_nan=nan))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return True  # what cannot be compared is not held against the dataset
 
 
 def collate_first(loader: DataLoader, first: list) -> tuple[int, object, object]:
