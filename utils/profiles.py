@@ -34,11 +34,14 @@ log = logging.getLogger("train")
 PHASES = ("data", "forward + loss", "backward", "wait", "optimizer", "outer")
 DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, OUTER = range(len(PHASES))
 # A rank is slow in a phase of its own work where its time there exceeds the other ranks' median
-# by over a fifth of a step (and 1 ms): each step, every rank waits for its excess. Even runs stay
-# below it: two ranks' phases differed by up to 12% of a step on a loaded 2-core host
-# (docs/speed.md).
+# by over a fifth of a step and 5 ms, over at least 16 steps: each step, every rank waits for its
+# excess. Even runs stay below it: two ranks' phases differed by up to 12% of a step on a loaded
+# 2-core host (docs/speed.md), and a tiny model's steps of a few ms on a machine doing other work
+# by 2.7 ms (a scheduler's hiccup, named as a slow backward when the margin was 1 ms); a record of
+# fewer steps is too short to tell.
 SLOW_SHARE = 0.2
-MARGIN_MS = 1.0
+MARGIN_MS = 5.0
+MIN_STEPS = 16
 
 
 class StepPhases:
@@ -156,13 +159,15 @@ class StepPhases:
 
     def summary(self, table: torch.Tensor) -> dict:
         """All ranks' rows (read's) as ms a step per phase, and the slow rank: where a phase of its
-        own work exceeds the other ranks' median by over SLOW_SHARE of a step and MARGIN_MS."""
+        own work exceeds the other ranks' median by over SLOW_SHARE of a step and MARGIN_MS, over
+        MIN_STEPS steps or more."""
         steps = table[:, -1].clamp(min=1)
         ms = (table[:, :-1] * 1000 / steps[:, None]).tolist()
         phase_ms = {name: [round(row[i], 3) for row in ms] for i, name in enumerate(self.names)}
         margin = max(MARGIN_MS, SLOW_SHARE * statistics.median(map(sum, ms)))
         slow = None
-        if len(ms) < 2:  # a world of one: no other rank to compare with
+        # a world of one: no other rank to compare with; a few steps: too few to tell
+        if len(ms) < 2 or steps.min() < MIN_STEPS:
             return dict(phase_ms=phase_ms, slow=slow)
         for i in self.own:
             times = phase_ms[self.names[i]]
