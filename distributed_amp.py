@@ -104,7 +104,8 @@ def parse_args():
         "--comm-hook",
         choices=["bf16"],
         default=None,
-        help="all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook)",
+        help="all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook;"
+        " default: float32 as they are)",
     )
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(

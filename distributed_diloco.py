@@ -2,7 +2,9 @@
 
     torchrun --nnodes=2 --nproc_per_node=1 --rdzv-endpoint=HOST:29500 \\
         distributed_diloco.py --inner-steps 8
-    python distributed_diloco.py --dataset fake --epochs 1   # one process, for debugging
+    # one process (CPU where there is no GPU), a quarter of a minute on 2 cores:
+    python distributed_diloco.py --dataset fake --fake-size 1024 --image-size 16 \\
+        --batch-size 64 --epochs 3
 
 Each process trains its own copy on its shard of every batch, with its own optimizer and nothing
 sent, for --inner-steps H steps; then all average how far their copies moved since the last outer

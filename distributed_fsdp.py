@@ -122,7 +122,8 @@ def parse_args():
         "--amp-dtype",
         choices=["float16", "bfloat16"],
         default=None,
-        help="compute in this precision (FSDP's MixedPrecisionPolicy; default: float32)",
+        help="compute in this precision (FSDP's MixedPrecisionPolicy; default: none, float32"
+        " throughout)",
     )
     parser.add_argument(
         "--init-scale",

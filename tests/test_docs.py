@@ -4,6 +4,7 @@ that their commands name exists (the script's --help lists the flag)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 from pathlib import Path
@@ -103,3 +104,54 @@ def test_the_readme_is_a_map_whose_test_command_is_what_ci_runs():
         ci,
         command,
     )
+
+
+SCRIPTS = sorted(path.name for path in ROOT.glob("*.py"))
+# what each script's parse_args makes of no flags here, on this machine (computed defaults filled in)
+PARSED = """
+import json, sys
+sys.argv = [sys.argv[1]]
+args = __import__(sys.argv[0].removesuffix(".py")).parse_args()
+print(json.dumps(vars(args), default=str))
+"""
+# defaults the code computes, as the help says them and as this CPU machine gets them
+COMPUTED = {
+    "workers": ("0 on a CPU", 0),
+    "lr": ("sgd 0.1 x batch-size / 256", 0.1),
+    "weight_decay": ("sgd 5e-4", 5e-4),
+    "port": ("29500 where --ip is given", None),
+}
+
+
+def flag_helps(text: str) -> dict[str, str]:
+    """--help's options, flag name (as its dest) to its help on one line."""
+    options = text.split("options:", 1)[1].split("\n\n")[0]
+    helps = {}
+    for chunk in re.split(r"\n(?=  -)", options.strip("\n")):
+        chunk = " ".join(chunk.split())
+        name = re.match(r"-+([\w-]+)", chunk)[1].replace("-", "_")
+        helps[name] = chunk
+    return helps
+
+
+def test_every_flag_says_its_default_and_its_choices_as_the_code_has_them():
+    """Every flag of the seven scripts says its default in its help: argparse's own where the parser holds one, which
+    is then the value the script parses; words where the code computes it, checked here for the ones this machine
+    computes (workers, lr, weight decay, the port); a one-word default of a flag with choices is one of them."""
+    helps = help_texts(set(SCRIPTS))
+    parsed = run_parallel([([PYTHON, "-c", PARSED, script], {}) for script in SCRIPTS], timeout=120)
+    for script, result in zip(SCRIPTS, parsed):
+        values = json.loads(result.stdout.strip().splitlines()[-1])
+        for name, text in flag_helps(helps[script]).items():
+            if name in ("h", "help"):
+                continue
+            assert "default" in text, (script, text)
+            stated = re.search(r"\(default: ([^ ()]+)\)$", text)
+            choices = re.match(r"\S+ \{([^}]*)\}", text)
+            if stated and values.get(name) is not None:
+                assert stated[1] == str(values[name]), (script, name, stated[1], values[name])
+            if stated and choices:
+                assert stated[1] in choices[1].split(",") + ["off", "none"], (script, text)
+            if name in COMPUTED:
+                words, value = COMPUTED[name]
+                assert words in text and values[name] == value, (script, name, text, values[name])

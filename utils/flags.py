@@ -80,20 +80,23 @@ def build_parser(description: str) -> ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="cut epochs at N steps (a stream without len)",
+        help="end each epoch after N optimizer steps; a stream without __len__ needs it (default:"
+        " every full batch of the training set)",
     )
     add(
         "--stop-after",
         type=int,
         default=None,
         metavar="N",
-        help="end after N epochs; the same command continues",
+        help="end after N epochs of this run, counted from where it starts (a continued run from"
+        " its checkpoint); the same command continues (default: up to --epochs)",
     )
     add(
         "--batch-size",
         type=int,
         default=256,
-        help="GLOBAL batch size, split evenly over all processes",
+        help="GLOBAL batch size, split over all processes into parts that differ by at most one"
+        " sample",
     )
     add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
     add(
@@ -121,13 +124,14 @@ def build_parser(description: str) -> ArgumentParser:
         type=float,
         default=None,
         metavar="NORM",
-        help="clip the gradients' global norm to NORM",
+        help="clip the gradients' global norm to NORM (default: no clipping)",
     )
     add(
         "--workers",
         type=int,
         default=None,
-        help="DataLoader workers per process (default: spare cores per GPU)",
+        help="DataLoader workers per process (default: 0 on a CPU; with GPUs, the cores per GPU"
+        " less 2, at most 8)",
     )
     add(
         "--seed",
@@ -158,7 +162,7 @@ def build_parser(description: str) -> ArgumentParser:
         "--wandb",
         default=None,
         metavar="PROJECT",
-        help="rank 0 also logs the records to a Weights & Biases run",
+        help="rank 0 also logs the records to a Weights & Biases run (default: off)",
     )
     add(
         "--ema",
@@ -182,12 +186,19 @@ def build_parser(description: str) -> ArgumentParser:
         help="whether the best --keep-best value is the lowest or the highest (default: min for a"
         " name with 'loss' in it, else max)",
     )
-    add("--ip", default=None, help="rendezvous address for tcp:// init (default 127.0.0.1)")
-    add("--port", type=int, default=None, help="rendezvous port for tcp:// init")
+    add("--ip", default=None, help="rendezvous address for tcp:// init (default: 127.0.0.1)")
+    add(
+        "--port",
+        type=int,
+        default=None,
+        help="rendezvous port for tcp:// init (default: 29500 where --ip is given, a free one for"
+        " distributed_mp.py on one node; without either, torchrun's env:// or one process alone)",
+    )
     add(
         "--dist-url",
         default=None,
-        help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port)",
+        help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port; default:"
+        " from --ip/--port, else env:// under torchrun)",
     )
     add(
         "--backend",
@@ -222,26 +233,28 @@ def build_parser(description: str) -> ArgumentParser:
         "--profile",
         default=None,
         metavar="A:B",
-        help="torch.profiler over optimizer steps A to B of the run, the step's phases marked: a"
+        help="torch.profiler over optimizer steps A to B of the run (default: off), the step's"
+        " phases marked: a"
         " Chrome trace a rank in OUTPUT_DIR/profile/",
     )
     add("--compile", action="store_true", help="compile the model with torch.compile")
     add(
         "--compile-mode",
         choices=["default", "reduce-overhead", "max-autotune"],
-        help="implies --compile",
+        help="torch.compile's mode; implies --compile (default: its own, 'default')",
     )
     add(
         "--output-dir",
         default="./output",
-        help="where rank 0 writes checkpoint.pt and metrics.jsonl",
+        help="where rank 0 writes checkpoint.pt (FSDP: every rank its shards of checkpoint/, and"
+        " model.pt), metrics.jsonl and steps.jsonl",
     )
     add(
         "--save-every",
         type=int,
         default=None,
         metavar="N",
-        help="also save a checkpoint every N optimizer steps",
+        help="also save a checkpoint every N optimizer steps (default: at epoch ends only)",
     )
     add(
         "--save-minutes",
@@ -249,7 +262,7 @@ def build_parser(description: str) -> ArgumentParser:
         default=None,
         metavar="M",
         help="also save a checkpoint every M minutes of training (at a step all ranks agree on):"
-        " a lost node costs at most that",
+        " a lost node costs at most that (default: off)",
     )
     return p
 
