@@ -15,6 +15,7 @@ import torch
 
 from processes import ends_every_rank_with, max_weight_difference, metrics, run, run_parallel
 from test_your_own_data import copy_with_your_functions, launch
+from test_your_project import PREEMPTED
 from utils import seeds
 
 COMMON = ["--batch-size", "32", "--epochs", "2", "--lr", "0.05", "--timeout", "60"]
@@ -226,7 +227,8 @@ def test_the_seeded_dataset_keys_by_python_ints_passes_writes_on_and_reaches_set
 
 # torchvision's CutMix in collate (it draws from torch's stream: the box and its size); the model sends its own
 # process SIGTERM in its SIGTERM_AT_FORWARD-th training forward, as a scheduler's preemption
-YOUR_CUTMIX = """
+YOUR_CUTMIX = (
+    """
 import os
 import signal
 
@@ -249,15 +251,9 @@ class Images(torch.utils.data.Dataset):
         return self.images[index], int(self.labels[index])
 
 
-class Preempted(nn.Sequential):
-    forwards = 0
-
-    def forward(self, x):
-        self.forwards += self.training
-        if self.forwards == int(os.environ.get("SIGTERM_AT_FORWARD", 0)):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().forward(x)
-
+"""
+    + PREEMPTED
+    + """
 
 def build_datasets(args):
     return Images(320, 1), Images(101, 2), 4
@@ -274,6 +270,7 @@ def compute_loss(outputs, targets):
 def collate(samples):
     return CUTMIX(*torch.utils.data.default_collate(samples))
 """
+)
 
 
 def test_a_collate_that_mixes_draws_alike_with_any_number_of_workers_and_when_continued(tmp_path):

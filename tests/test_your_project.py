@@ -32,10 +32,24 @@ from test_your_own_data import (
     users_code,
 )
 
+# a model that sends its own process SIGTERM in its SIGTERM_AT_FORWARD-th training forward, as a scheduler's
+# preemption (the user's code imports os and signal)
+PREEMPTED = """
+class Preempted(nn.Sequential):
+    forwards = 0
+
+    def forward(self, x):
+        self.forwards += self.training
+        if self.forwards == int(os.environ.get("SIGTERM_AT_FORWARD", 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().forward(x)
+"""
+
 # A 4-class set whose class 3 is rare (8 %), a sampler that draws it five times as often, without a generator of
 # its own (it draws from torch's global stream), and a Dataset that writes which index each rank reads in each
 # epoch. SIGTERM_AT_FORWARD: the model sends its own process SIGTERM in that training forward (a preemption).
-YOUR_IMBALANCED = '''
+YOUR_IMBALANCED = (
+    '''
 import os
 import signal
 
@@ -65,15 +79,9 @@ class Imbalanced(torch.utils.data.Dataset):
         return self.inputs[index], int(self.labels[index])
 
 
-class Preempted(nn.Sequential):
-    forwards = 0
-
-    def forward(self, x):
-        self.forwards += self.training
-        if self.forwards == int(os.environ.get("SIGTERM_AT_FORWARD", 0)):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().forward(x)
-
+'''
+    + PREEMPTED
+    + """
 
 def build_datasets(args):
     os.makedirs(args.output_dir, exist_ok=True)
@@ -91,7 +99,8 @@ def compute_loss(outputs, targets):
 def build_sampler(args, train_set):
     weights = torch.where(train_set.labels == RARE, WEIGHT, 1.0)
     return torch.utils.data.WeightedRandomSampler(weights, len(weights))
-'''
+"""
+)
 SAMPLED = [
     "--batch-size",
     "64",
