@@ -17,6 +17,7 @@ from processes import (
     run,
     run_parallel,
     steps,
+    torchrun,
 )
 
 # the launch itself is under test: every script starts as users start it
@@ -103,3 +104,19 @@ def test_spawn_multi_node_needs_an_address(tmp_path):
     assert "--nodes > 1 needs --ip and --port" in last_error_line(
         ["--nodes", "2", "--output-dir", tmp_path]
     )
+
+
+def test_torchruns_summary_of_failed_processes_names_the_cause(tmp_path):
+    """A flag no script has, under torchrun: each rank says its line; torchrun's own summary after them (its
+    ChildFailedError box) names the cause in its traceback entries, from the error file each rank writes, instead of
+    a link to its docs."""
+    result = run(
+        torchrun(2, "distributed.py", "--no-such-flag", "--output-dir", tmp_path / "out"),
+        check=False,
+    )
+    line = "unrecognized arguments: --no-such-flag (see distributed.py --help)"
+    said = [text for text in result.stderr.splitlines() if text == f"error: {line}"]
+    assert result.returncode != 0 and len(said) == 2, result.stderr
+    assert result.stderr.count(f"traceback : {line}") == 2, (
+        result.stderr
+    )  # Root Cause and the other rank

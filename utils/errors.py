@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import re
 import signal
 import sys
 import sysconfig
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +123,7 @@ def run_main(
             dist.destroy_process_group()
     if line is not None:
         say(line)
+        record_for_torchrun(line)
         exit_code = 1
     # All written or said: end without the interpreter's shutdown, where gloo's threads still abort
     # about one 2-process run in 50 on PyTorch 2.14 ("terminate called without an active
@@ -128,6 +131,26 @@ def run_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def record_for_torchrun(line: str) -> None:
+    """Under torchrun: the line in its error file (TORCHELASTIC_ERROR_FILE), so that the summary of
+    failed processes it prints after the ranks' lines names the cause ("traceback : ...") instead
+    of a link to its docs. What torchrun reads is its ErrorHandler's format."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # without "error: ": the ranks' own lines stay the only ones that start so
+    cause = line.removeprefix("error: ")
+    message = {
+        "message": cause,
+        "extraInfo": {"py_callstack": cause, "timestamp": str(int(time.time()))},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message}, f)
+    except OSError:
+        pass  # the summary points at torchrun's docs, as without it
 
 
 def error_line(error: Exception) -> str | None:

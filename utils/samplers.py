@@ -22,7 +22,8 @@ from .seeds import SampleSeeds, derive, drawn_from
 
 class DrawnShares(Sampler):
     """This rank's share of a user's sampler, drawn whole from (seed, epoch) on every rank: a list
-    of indices for each global batch, which a loader over Batches(dataset) reads as one batch.
+    of (index, repeat) for each global batch, repeat how often the epoch drew the index before,
+    which a loader over Batches(dataset) reads as one batch.
 
     A sampler of indices (WeightedRandomSampler, SubsetRandomSampler, a class-balanced sampler):
     its stream is cut into global batches of batch_size (full ones, micro_batches of them a step
