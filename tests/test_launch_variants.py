@@ -107,16 +107,15 @@ def test_spawn_multi_node_needs_an_address(tmp_path):
 
 
 def test_torchruns_summary_of_failed_processes_names_the_cause(tmp_path):
-    """A flag no script has, under torchrun: each rank says its line; torchrun's own summary after them (its
-    ChildFailedError box) names the cause in its traceback entries, from the error file each rank writes, instead of
-    a link to its docs."""
+    """A flag no script has, under torchrun: the ranks say their line; torchrun's own summary after them (its
+    ChildFailedError box) names the cause as the root cause's traceback entry, from the error file a rank writes,
+    instead of a link to its docs. (A rank still starting when the first fails is ended by torchrun, unsaid.)"""
     result = run(
         torchrun(2, "distributed.py", "--no-such-flag", "--output-dir", tmp_path / "out"),
         check=False,
     )
     line = "unrecognized arguments: --no-such-flag (see distributed.py --help)"
     said = [text for text in result.stderr.splitlines() if text == f"error: {line}"]
-    assert result.returncode != 0 and len(said) == 2, result.stderr
-    assert result.stderr.count(f"traceback : {line}") == 2, (
-        result.stderr
-    )  # Root Cause and the other rank
+    assert result.returncode != 0 and 1 <= len(said) <= 2, result.stderr
+    root_cause = result.stderr.split("Root Cause", 1)[1]
+    assert f"traceback : {line}" in root_cause, result.stderr

@@ -164,12 +164,10 @@ def own_generators(obj) -> list:
     found, seen, todo = [], set(), collections.deque([obj])
     while todo:
         item = todo.popleft()
-        if (
-            id(item) in seen
-            or isinstance(item, LEAVES)
-            or callable(item)
-            and not hasattr(item, "__dict__")
-        ):
+        if id(item) in seen or isinstance(item, LEAVES):
+            continue
+        # a builtin function or a bound method holds none (a closure's cells are not looked in)
+        if callable(item) and not hasattr(item, "__dict__"):
             continue
         seen.add(id(item))
         if isinstance(item, kinds):
