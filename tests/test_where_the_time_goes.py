@@ -11,11 +11,9 @@ import torch
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 from processes import (
-    PYTHON,
     TINY,
     ends_every_rank_with,
     metrics,
@@ -90,8 +88,10 @@ def test_a_cpu_run_writes_no_mfu_and_says_why_once_and_a_given_peak_gives_one(tm
 PHASES = ["data", "forward + loss", "backward", "wait", "optimizer"]
 
 # rank 1 pauses 30 ms a step where SLOW_IN says: in the user's collate, compute_loss, a gradient hook of the
-# model's first layer (whose gradient the backward reaches last) or an optimizer step hook
+# model's first layer (whose gradient the backward reaches last) or an optimizer step hook; or, a hiccup, 200 ms in
+# its 20th backward alone
 SLOW_RANK = """
+import itertools
 import os
 import time
 
@@ -105,9 +105,14 @@ from utils import builtin
 SLOW_IN = os.environ.get("SLOW_IN") if os.environ.get("RANK") == "1" else None
 
 
+BACKWARDS = itertools.count(1)
+
+
 def pause(where):
     if SLOW_IN == where:
         time.sleep(0.03)
+    if SLOW_IN == "hiccup" and where == "backward" and next(BACKWARDS) == 20:
+        time.sleep(0.2)
 
 
 def build_datasets(args):
@@ -178,7 +183,7 @@ def test_a_slow_rank_is_named_with_its_phase_in_each_record_and_the_epochs_line(
         slow = record["slow"]
         assert slow is not None and (slow["rank"], slow["phase"]) == (1, SLOW[where]), record
         assert slow["ms"] == record["phase_ms"][SLOW[where]][1] > 25
-        assert slow["median_ms"] == record["phase_ms"][SLOW[where]][0] < 15
+        assert slow["median_ms"] == record["phase_ms"][SLOW[where]][0]
     line = next(line for line in stdout.splitlines() if line.startswith("epoch 1/1 train_loss"))
     assert re.search(
         rf"; rank 1 slow: {re.escape(SLOW[where])} \d+\.\d ms a step against a median of \d+\.\d ms$",
@@ -187,10 +192,15 @@ def test_a_slow_rank_is_named_with_its_phase_in_each_record_and_the_epochs_line(
 
 
 @pytest.mark.alone  # a neighbour's load would slow one rank's phases
-def test_an_even_run_names_no_rank_and_its_phases_add_up_to_its_steps(tmp_path):
-    """Without a pause no rank is named, in any record or the epoch's line; each record's phases, on each rank, add up
-    to its steps' time (the global batch over its images/s), within 5% (or 1 ms) a step."""
-    stdout = run(torchrun(2, slow_copy(tmp_path), *FLAGS, "--output-dir", tmp_path / "even")).stdout
+def test_an_even_run_with_a_hiccup_names_no_rank_and_its_phases_add_up_to_its_steps(tmp_path):
+    """Rank 1 even but for one hiccup of 200 ms in one backward (step 20: 12.5 ms a step on average over its record,
+    6.3 over the epoch, which named it when an average alone counted): no rank is named, in any record or the epoch's
+    line; each record's phases, on each rank, add up to its steps' time (the global batch over its images/s), within
+    5% (or 1 ms) a step."""
+    stdout = run(
+        torchrun(2, slow_copy(tmp_path), *FLAGS, "--output-dir", tmp_path / "even"),
+        env={"SLOW_IN": "hiccup"},
+    ).stdout
     records, epochs = steps(tmp_path / "even"), metrics(tmp_path / "even")
     trained = [r for r in records if "phase_ms" in r]
     assert len(trained) == 2 and all(r["slow"] is None for r in [*trained, *epochs])
@@ -283,38 +293,3 @@ def test_the_phases_plot_as_a_bar_a_rank(slow_runs, tmp_path):
     longest = max(sum(times[:5]), sum(times[5:]))
     assert widths == pytest.approx([t * (WIDTH - LEFT - 20) / longest for t in times], abs=0.06)
     assert "rank 1 slow: forward + loss" in ET.tostring(root, encoding="unicode")
-
-
-def test_a_tiny_run_beside_a_busy_process_names_no_slow_rank(tmp_path):
-    """The tiny model's steps take a few milliseconds: beside a process that keeps a core busy, a scheduler's hiccup
-    (once 3.0 ms of backward against a median of 0.3 ms) is no slow rank. Three runs; no record of 16 steps, epoch's
-    line or record names one."""
-    busy = subprocess.Popen(
-        [PYTHON, "-c", "import time\nend = time.time() + 120\nwhile time.time() < end:\n    pass"],
-        start_new_session=True,
-    )
-    try:
-        results = [
-            run(
-                torchrun(
-                    2,
-                    "distributed.py",
-                    *TINY,
-                    "--epochs",
-                    "1",
-                    "--print-freq",
-                    "16",
-                    "--output-dir",
-                    tmp_path / str(i),
-                )
-            )
-            for i in range(3)
-        ]
-    finally:
-        busy.kill()
-        busy.wait(timeout=30)
-    for i, result in enumerate(results):
-        records = [*steps(tmp_path / str(i)), *metrics(tmp_path / str(i))]
-        assert [r for r in records if r.get("slow")] == [] and " slow: " not in result.stdout, (
-            result.stdout
-        )

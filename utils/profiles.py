@@ -1,6 +1,7 @@
 """Where a step's time goes, on each rank. Its phases (StepPhases), timed every step, gathered
 from all ranks at each record (in the record's own all-reduce) and read as milliseconds a step; a
-rank whose own work is slower than the others' is named with its phase. A CPU's phases are timed
+rank whose own work is slower than the others', on average and in its median step, is named with
+its phase. A CPU's phases are timed
 by the host's clock, a GPU's by CUDA events read back only at a record, so a step that records
 nothing waits for nothing. And --profile A:B: torch.profiler over optimizer steps A to B of a run,
 one Chrome trace per rank (OUTPUT_DIR/profile/rank{r}.json), the phases in it as ranges of the
@@ -34,11 +35,12 @@ log = logging.getLogger("train")
 PHASES = ("data", "forward + loss", "backward", "wait", "optimizer", "outer")
 DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, OUTER = range(len(PHASES))
 # A rank is slow in a phase of its own work where its time there exceeds the other ranks' median
-# by over a fifth of a step and 5 ms, over at least 16 steps: each step, every rank waits for its
-# excess. Even runs stay below it: two ranks' phases differed by up to 12% of a step on a loaded
-# 2-core host (docs/speed.md), and a tiny model's steps of a few ms on a machine doing other work
-# by 2.7 ms (a scheduler's hiccup, named as a slow backward when the margin was 1 ms); a record of
-# fewer steps is too short to tell.
+# by over a fifth of a step and 5 ms, over at least 16 steps, both on average and in its typical
+# (median) step: each step, every rank waits for its excess. Even runs stay below it: two ranks'
+# phases differed by up to 12% of a step on a loaded 2-core host (docs/speed.md), and a tiny
+# model's steps of a few ms on a machine doing other work by 2.7 ms and, in CI, by 5.7 ms on
+# average (a scheduler's hiccups, named as a slow backward when a hiccup in a few steps counted as
+# a rank slow in all); a record of fewer steps is too short to tell.
 SLOW_SHARE = 0.2
 MARGIN_MS = 5.0
 MIN_STEPS = 16
@@ -53,11 +55,14 @@ class StepPhases:
         self.names = PHASES[: OUTER + outer]
         self.gpu = device.type == "cuda"
         self.seconds = [0.0] * len(self.names)
+        self.step = [0.0] * len(self.names)  # the step under way's
         self.steps = 0
-        self.epoch = torch.zeros(len(self.names) + 1, dtype=torch.float64)
+        self.step_rows = []  # each step's seconds a phase, since the last read
+        self.epoch = torch.zeros(len(self.names) + 1, dtype=torch.float64)  # seconds, steps
+        self.epoch_steps = []  # the epoch's records' step rows (tensors)
         self.phase = None  # none between epochs
         self.since = None  # when it began: a clock's reading, or a CUDA event
-        self.pending = []  # on a GPU: (phase, start, end event) not yet read
+        self.pending = []  # on a GPU: (phase, start, end event, a step ends) not yet read
         self.free = []  # CUDA events read, to record again
         self.watchers = []  # --profile's ranges
         self.own = (DATA, FORWARD, BACKWARD, OPTIMIZER)  # a rank's own work
@@ -116,10 +121,11 @@ class StepPhases:
         if self.phase in (None, phase) or (module is not None and not module.training):
             return
         now = self.now()
+        # the optimizer's step ends a step's row (and begins the next one's)
         if self.gpu:
-            self.pending.append((self.phase, self.since, now))
+            self.pending.append((self.phase, self.since, now, phase == OPTIMIZER))
         else:
-            self.seconds[self.phase] += now - self.since
+            self.add(self.phase, now - self.since, phase == OPTIMIZER)
         if phase == OPTIMIZER:
             self.steps += 1
         self.phase, self.since = phase, now
@@ -135,46 +141,70 @@ class StepPhases:
         self.phase = None
         self.tell(None)
 
+    def add(self, phase: int, seconds: float, step_ends: bool) -> None:
+        self.seconds[phase] += seconds
+        self.step[phase] += seconds
+        if step_ends:
+            self.step_rows.append(self.step)
+            self.step = [0.0] * len(self.names)
+
     def read(self) -> torch.Tensor:
-        """Seconds in each phase since the last read, and the steps (float64, on the CPU). On a
-        GPU it waits for the events (a sync: at a record only)."""
+        """Seconds in each phase since the last read, a median step's, and the steps (float64,
+        on the CPU). On a GPU it waits for the events (a sync: at a record only)."""
         if self.pending:
             self.pending[-1][2].synchronize()
-        for phase, start, end in self.pending:
-            self.seconds[phase] += start.elapsed_time(end) / 1000
+        for phase, start, end, step_ends in self.pending:
+            self.add(phase, start.elapsed_time(end) / 1000, step_ends)
             self.free.append(start)
         self.pending = []
-        row = torch.tensor([*self.seconds, self.steps], dtype=torch.float64)
+        rows = torch.tensor(self.step_rows, dtype=torch.float64).view(-1, len(self.names))
+        sums = torch.tensor([*self.seconds, self.steps], dtype=torch.float64)
         self.seconds = [0.0] * len(self.names)
         self.steps = 0
-        self.epoch += row
-        return row
+        self.step_rows = []
+        self.epoch += sums
+        self.epoch_steps.append(rows)
+        return self.row(sums, rows)
 
     def epoch_read(self) -> torch.Tensor:
         """read() over the whole epoch, which starts again."""
         self.read()
-        row = self.epoch.clone()
-        self.epoch.zero_()
+        row = self.row(self.epoch, torch.cat(self.epoch_steps))
+        self.epoch = torch.zeros_like(self.epoch)
+        self.epoch_steps = []
         return row
+
+    def row(self, sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Seconds in each phase, a median step's (of rows, a step's each), and the steps: a row
+        of the records' table."""
+        median = torch.zeros(len(self.names), dtype=torch.float64)
+        if len(rows):
+            median = rows.quantile(0.5, dim=0)
+        return torch.cat([sums[:-1], median, sums[-1:]])
 
     def summary(self, table: torch.Tensor) -> dict:
         """All ranks' rows (read's) as ms a step per phase, and the slow rank: where a phase of its
         own work exceeds the other ranks' median by over SLOW_SHARE of a step and MARGIN_MS, over
-        MIN_STEPS steps or more."""
+        MIN_STEPS steps or more, on average and in a median step."""
+        n = len(self.names)
         steps = table[:, -1].clamp(min=1)
-        ms = (table[:, :-1] * 1000 / steps[:, None]).tolist()
+        ms = (table[:, :n] * 1000 / steps[:, None]).tolist()
+        typical = (table[:, n : 2 * n] * 1000).tolist()
         phase_ms = {name: [round(row[i], 3) for row in ms] for i, name in enumerate(self.names)}
         margin = max(MARGIN_MS, SLOW_SHARE * statistics.median(map(sum, ms)))
-        slow = None
+        slow, worst = None, 0.0
         # a world of one: no other rank to compare with; a few steps: too few to tell
         if len(ms) < 2 or steps.min() < MIN_STEPS:
             return dict(phase_ms=phase_ms, slow=slow)
         for i in self.own:
             times = phase_ms[self.names[i]]
+            medians = [row[i] for row in typical]
             for rank, time_ms in enumerate(times):
                 others = statistics.median(times[:rank] + times[rank + 1 :])
-                if time_ms - others > margin:
-                    margin = time_ms - others
+                # a hiccup in a few steps is no slow rank: its median step is slower too
+                in_most = medians[rank] - statistics.median(medians[:rank] + medians[rank + 1 :])
+                if time_ms - others > max(margin, worst) and in_most > margin:
+                    worst = time_ms - others
                     slow = dict(rank=rank, phase=self.names[i], ms=time_ms, median_ms=others)
         return dict(phase_ms=phase_ms, slow=slow)
 
