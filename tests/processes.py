@@ -316,13 +316,19 @@ def assert_same_records(records: list[dict], expected: list[dict], tolerance: fl
 
 
 def ends_every_rank_with(result: subprocess.CompletedProcess, line: str, ranks: int = 2) -> None:
-    """A non-zero exit and a line starting with line once from each rank, none run into another; no Python
-    traceback from the script (torchrun then prints its own about a failed worker)."""
-    starts = [text for text in result.stderr.splitlines() if text.startswith(line)]
+    """A non-zero exit and a line starting with line, run into no other: under torchrun said once, and its cause in
+    torchrun's summary once a rank (each rank ended with it, the node's first said it); without a launcher (ranks
+    started by hand, their outputs joined), said by each. No Python traceback from the script (torchrun then prints
+    its own about a failed worker)."""
+    torchrun = "torch.distributed.run" in map(str, result.args)
+    said = [text for text in result.stderr.splitlines() if text.startswith(line)]
     # as often as line occurs at all: none ran into the end of another line
-    assert result.returncode != 0 and len(starts) == result.stderr.count(line) == ranks, (
-        result.stderr
-    )
+    assert result.returncode != 0 and len(said) == result.stderr.count(line), result.stderr
+    assert len(said) == (1 if torchrun else ranks), result.stderr
+    if torchrun:
+        cause = f"  traceback : {line.removeprefix('error: ')}"
+        summary = [text for text in result.stderr.splitlines() if text.startswith(cause)]
+        assert len(summary) == ranks, result.stderr
     assert (
         'distributed.py", line' not in result.stderr
         and 'distributed_fsdp.py", line' not in result.stderr

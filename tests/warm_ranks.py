@@ -20,14 +20,17 @@ fork never copies a lock another thread holds, and reports each child's exit sta
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import re
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -502,18 +505,26 @@ def close_library_servers() -> None:
 class WarmRun:
     """What subprocess.Popen gives, for ranks started warm: one process (`python SCRIPT`), or N
     ranks as torchrun starts them, whose exit code is torchrun's (0, or 1 where a rank failed;
-    the others then get SIGTERM, and SIGKILL 30 s later, as torchrun's agent does)."""
+    the others then get SIGTERM, and SIGKILL 30 s later, as torchrun's agent does), and whose
+    stderr ends, where a rank failed, with what torchrun's summary says of each: the error file
+    it wrote, as "  traceback : MESSAGE"."""
 
     GRACE = 30
 
     def __init__(
-        self, server: Server, args: list, pids: list[int], outputs: list[int], torchrun: bool
+        self,
+        server: Server,
+        args: list,
+        pids: list[int],
+        outputs: list[int],
+        attempt: str | None,
     ):
         self.server = server
         self.args = args
         self.pids = pids
         self.pid = pids[0]
-        self.torchrun = torchrun
+        self.torchrun = attempt is not None
+        self.attempt = attempt  # torchrun's attempt folder, each rank's error file in it
         self.returncode = None
         self.codes: dict[int, int] = {}
         self.outputs = outputs  # read ends: stdout, stderr
@@ -572,7 +583,22 @@ class WarmRun:
         finally:
             selector.close()
         out, err = (b"".join(self.chunks[fd]).decode(errors="replace") for fd in self.outputs)
-        return out, err
+        return out, err + self.summary()
+
+    def summary(self) -> str:
+        """torchrun's summary of the failed ranks, their error files' messages (once: the
+        attempt's folder goes)."""
+        if self.attempt is None:
+            return ""
+        lines = []
+        for rank, pid in enumerate(self.pids):
+            path = os.path.join(self.attempt, str(rank), "error.json")
+            if self.codes.get(pid) and os.path.exists(path):
+                with open(path) as f:
+                    lines.append(f"  traceback : {json.load(f)['message']['message']}\n")
+        shutil.rmtree(os.path.dirname(self.attempt), ignore_errors=True)
+        self.attempt = None
+        return "".join(lines)
 
     def send_signal(self, signum: int) -> None:
         for pid in self.pids:
@@ -622,23 +648,25 @@ def start(cmd: list, env: dict, cwd, port: int) -> WarmRun | None:
     warm = server(libraries(os.path.join(cwd, argv[0]), env))
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
-    torchrun = "torch.distributed.run" in [str(c) for c in cmd]
-    envs = [env]
-    if torchrun:
-        envs = torchrun_env(env, ranks, port)
+    envs, attempt = [env], None
+    if "torch.distributed.run" in [str(c) for c in cmd]:
+        attempt = os.path.join(tempfile.mkdtemp(prefix="torchelastic_"), "attempt_0")
+        envs = torchrun_env(env, ranks, port, attempt)
     try:
         pids = [warm.start(argv, e, cwd, out_write, err_write) for e in envs]
     finally:
         os.close(out_write)
         os.close(err_write)
-    return WarmRun(warm, cmd, pids, [out_read, err_read], torchrun)
+    return WarmRun(warm, cmd, pids, [out_read, err_read], attempt)
 
 
-def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
-    """What torchrun's agent sets for each worker on one node; rank 0 holds the store."""
+def torchrun_env(env: dict, ranks: int, port: int, attempt: str) -> list[dict]:
+    """What torchrun's agent sets for each worker on one node; rank 0 holds the store; each
+    rank's error file in a folder of its own in the attempt's folder."""
     run_id = uuid.uuid4().hex
     envs = []
     for rank in range(ranks):
+        os.makedirs(os.path.join(attempt, str(rank)))
         rank_env = {
             **env,
             "RANK": str(rank),
@@ -653,6 +681,7 @@ def torchrun_env(env: dict, ranks: int, port: int) -> list[dict]:
             "TORCHELASTIC_RUN_ID": run_id,
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_ERROR_FILE": os.path.join(attempt, str(rank), "error.json"),
         }
         if ranks > 1:
             rank_env.setdefault("OMP_NUM_THREADS", "1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import re
@@ -122,7 +123,9 @@ def run_main(
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if line is not None:
-        say(line)
+        # said once a node, where its ranks all end with it; each rank's is in torchrun's summary
+        if first_to_say(line):
+            say(line)
         record_for_torchrun(line)
         exit_code = 1
     # All written or said: end without the interpreter's shutdown, where gloo's threads still abort
@@ -131,6 +134,24 @@ def run_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def first_to_say(line: str) -> bool:
+    """Is this rank the first of its node to end with line? Under torchrun the ranks of a node
+    share their attempt's folder (the parent of each rank's error file's folder): the first to
+    create a file named for the line there says it. Without torchrun, every process says its own
+    (distributed_mp.py's parent says one)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return True
+    said = Path(path).parents[1] / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass  # the folder cannot be written: said by each rank, as without torchrun
+    return True
 
 
 def record_for_torchrun(line: str) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .errors import first_line, user_frame, write_line
+from .errors import first_line, first_to_say, record_for_torchrun, user_frame, write_line
 from .internals import (
     COMPILE_FILES,
     DATALOADER_WAIT,
@@ -226,7 +226,11 @@ class Watchdog(contextlib.AbstractContextManager):
                     reports = self.exchange_reports(report)
                 except RuntimeError as e:
                     self.note(f"the other ranks' reports could not be read: {first_line(e)}")
-            self.say(stall_line(reports, self.world_size, self.timeout, self.stacks_dir))
+            line = stall_line(reports, self.world_size, self.timeout, self.stacks_dir)
+            # once a node, as run_main says an error; each rank's in torchrun's summary
+            if first_to_say(line):
+                self.say(line)
+            record_for_torchrun(line)
             # The store's host (rank 0, for tcp://) ends once every rank has read.
             if self.store is not None:
                 with contextlib.suppress(RuntimeError):
