@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -223,6 +224,49 @@ def test_the_seeded_dataset_keys_by_python_ints_passes_writes_on_and_reaches_set
     plain = seeds.per_sample(Stage(), seed=0)
     plain.stage = 2
     assert plain[0][1] == 2 and plain.dataset.stage == 2
+
+
+class Batched(torch.utils.data.Dataset):
+    """Read in batches (__getitems__, each batch's indices recorded); with noise, each sample adds a draw from a NumPy
+    Generator of its own."""
+
+    def __init__(self, noise: bool):
+        self.noise, self.rng, self.batches = noise, np.random.default_rng(0), []
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return float(index) + (self.rng.normal() if self.noise else 0.0)
+
+    def __getitems__(self, indices):
+        self.batches.append(list(indices))
+        return [self[index] for index in indices]
+
+
+def test_a_batched_read_is_kept_where_the_samples_draw_nothing_and_each_sample_seeded_where_they_do():
+    """A DataLoader over the seeded dataset reads a batch by the dataset's own __getitems__ where reading draws
+    nothing (a Hugging Face Dataset's too); where it draws, a sample at a time from its seeds: a batch holds what the
+    samples read alone hold."""
+    plain = seeds.per_sample(Batched(noise=False), seed=0)
+    assert [b.tolist() for b in torch.utils.data.DataLoader(plain, batch_size=4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    assert plain.batched and plain.dataset.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    noisy = seeds.per_sample(Batched(noise=True), seed=0)
+    batches = [b.tolist() for b in torch.utils.data.DataLoader(noisy, batch_size=4)]
+    assert not noisy.batched and noisy.dataset.batches == []
+    assert batches == [[noisy[i] for i in range(4)], [noisy[i] for i in range(4, 8)]]
+    assert (
+        len({round(x - i, 6) for i, x in enumerate(batches[0] + batches[1])}) == 8
+    )  # each its own draw
+    rows = datasets.Dataset.from_dict({"x": list(range(8))}).with_format("torch")
+    read = seeds.per_sample(rows, seed=0)
+    assert (
+        read.__getitems__([2, 5]) == [{"x": torch.tensor(2)}, {"x": torch.tensor(5)}]
+        and read.batched
+    )
 
 
 # torchvision's CutMix in collate (it draws from torch's stream: the box and its size); the model sends its own

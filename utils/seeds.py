@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import itertools
 import operator
+import pickle
 import random
 import sys
 import types
@@ -65,7 +66,7 @@ class SampleSeeds(Dataset):
     your own) do not depend on the rank, the worker, their numbers or what was read before. Other
     attributes are the dataset's own, read and written."""
 
-    OWN = ("dataset", "seed", "epoch", "generators", "last_drawn")
+    OWN = ("dataset", "seed", "epoch", "generators", "last_drawn", "batched")
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset = dataset
@@ -74,6 +75,9 @@ class SampleSeeds(Dataset):
         self.epoch = torch.zeros((), dtype=torch.long).share_memory_()
         # Found once; pickled with the dataset, they are still its own in a worker.
         self.generators = own_generators(dataset)
+        # Its own batched read (__getitems__) where reading a sample draws nothing; found at the
+        # first batch read, in the process or worker that reads it.
+        self.batched = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -93,8 +97,28 @@ class SampleSeeds(Dataset):
         self.last_drawn = where
         return sample
 
+    def __getitems__(self, indices: list) -> list:
+        """A batch's samples (the DataLoader's read of a batch): by the dataset's own batched read
+        where its samples draw nothing (sample 0's read moved no stream nor generator of its own),
+        else one at a time, each from its seeds."""
+        if self.batched is None:
+            self.batched = hasattr(self.dataset, "__getitems__") and not self.draws(0)
+        if not self.batched:
+            return [self.read(index) for index in indices]
+        samples = self.dataset.__getitems__(indices)
+        self.last_drawn = (int(self.epoch), operator.index(indices[-1]))
+        return samples
+
+    def draws(self, index) -> bool:
+        """Does reading the sample at index draw from a global stream or a generator the dataset
+        keeps? (Read from its seeds: torch's stream, the model's, is given back.)"""
+        with drawn_from(self.seed, "draws", generators=self.generators):
+            before = stream_states(self.generators)
+            self.dataset[index]
+            return stream_states(self.generators) != before
+
     def __getattr__(self, name: str):
-        # Dunder names stay ours: a __getitems__ of the dataset would read unseeded.
+        # Dunder names stay ours: the dataset's __getitems__ is read through ours.
         if name.startswith("__") or name in self.OWN:
             raise AttributeError(name)
         return getattr(self.dataset, name)
@@ -181,6 +205,24 @@ def own_generators(obj) -> list:
         elif hasattr(item, "__dict__"):
             todo.extend(vars(item).values())
     return found
+
+
+def stream_states(generators: list) -> bytes:
+    """The global streams' states and generators', as bytes: alike where nothing drew."""
+    numpy = sys.modules.get("numpy")
+    states = [torch.default_generator.get_state().numpy().tobytes(), random.getstate()]
+    if numpy is not None:
+        states.append(numpy.random.get_state())
+    for generator in generators:
+        if isinstance(generator, torch.Generator):
+            states.append(generator.get_state().numpy().tobytes())
+        elif isinstance(generator, random.Random):
+            states.append(generator.getstate())
+        elif isinstance(generator, numpy.random.RandomState):
+            states.append(generator.get_state())
+        else:  # a NumPy Generator
+            states.append(generator.bit_generator.state)
+    return pickle.dumps(states)
 
 
 def seed_generators(generators: list, seed: int) -> None:

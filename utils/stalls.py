@@ -347,8 +347,8 @@ def where(frames: list[traceback.FrameSummary]) -> str:
 
 
 def stall_line(reports: list[dict], world_size: int, timeout: float, stacks_dir: Path) -> str:
-    """The one line every rank ends with: the ranks that stalled (that started fewest collectives, or
-    did not answer), what each did, and where the stacks are."""
+    """The one line every rank ends with: the ranks that stalled (that started fewest collectives,
+    or did not answer), what each did, and where the stacks are."""
     answered = {report["rank"] for report in reports}
     counts = {report["collectives"] for report in reports}
     if None in counts:
