@@ -36,10 +36,13 @@ YOUR_STREAM = '''
 import os
 import signal
 
+import numpy as np
+
 
 class BlobStream(torch.utils.data.IterableDataset):
-    """Blobs read as they come: no __len__ (unless LENGTH is set), no indexing; a new order each epoch (set_epoch).
-    uneven: rank 1's stream goes on EXTRA_ON_RANK_1 samples longer, as a stream of other files might."""
+    """Blobs read as they come: no __len__ (unless LENGTH is set), no indexing; a new order each epoch (set_epoch);
+    noise from a NumPy Generator of its own, as it yields. uneven: rank 1's stream goes on EXTRA_ON_RANK_1 samples
+    longer, as a stream of other files might."""
 
     def __init__(self, size, seed, uneven=False):
         generator = torch.Generator().manual_seed(seed)
@@ -47,6 +50,7 @@ class BlobStream(torch.utils.data.IterableDataset):
         self.labels = torch.randint(0, 4, (size,), generator=generator)
         self.inputs = centres[self.labels] + 1.5 * torch.randn(size, 1, 8, 8, generator=generator)
         self.seed, self.epoch, self.uneven = seed, 0, uneven
+        self.rng = np.random.default_rng(seed)
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -55,7 +59,8 @@ class BlobStream(torch.utils.data.IterableDataset):
         order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         extra = int(os.environ.get("EXTRA_ON_RANK_1", 0)) if self.uneven and os.environ.get("RANK") == "1" else 0
         for i in order.tolist() + order[:extra].tolist():
-            yield self.inputs[i], int(self.labels[i])
+            noise = torch.from_numpy(self.rng.normal(scale=0.3, size=(1, 8, 8)).astype("float32"))
+            yield self.inputs[i] + noise, int(self.labels[i])
 
 
 class SizedBlobStream(BlobStream):
@@ -245,9 +250,10 @@ def test_what_a_stream_cannot_do_ends_every_rank_with_one_line(tmp_path):
     """Started at once: no --steps-per-epoch for a stream without __len__ (2 processes); fewer samples than one
     global batch, with and without __len__; samples collate cannot stack."""
     ragged = YOUR_STREAM.replace(
-        "yield self.inputs[i], int(self.labels[i])",
+        "yield self.inputs[i] + noise, int(self.labels[i])",
         "yield self.inputs[i][:, :1 + i % 8], int(self.labels[i])",
     )
+    assert ragged != YOUR_STREAM
     copies = {
         name: copy_with_your_functions("distributed.py", tmp_path / name, code)
         for name, code in (("yours", YOUR_STREAM), ("ragged", ragged))

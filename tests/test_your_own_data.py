@@ -754,12 +754,12 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     project's sampler drawn whole on every rank from (seed, epoch), each rank its share of every global batch, a
     sampler that draws differently refused; scores.py, its torchmetrics over every validation sample once, a rank
     with none given an empty state of the others' shape; top-5 counted in the validation meter; the best validation
-    kept across a continuation, --keep-best and its mode, and the name checked at the start) and issue 80 (135: the
+    kept across a continuation, --keep-best and its mode, and the name checked at the start) and issue 80 (136: the
     generators a dataset keeps for itself found once and reseeded per sample, a repeat in an epoch keyed by its count,
     keys from Python ints, attribute writes that reach the dataset, set_epoch under Subset and ConcatDataset, a
     collate's draws from its batch's place, SeededCollate, and a Dataset's first sample read twice to find random
-    state nothing reaches, check_draws_reach; 28 more: a dataset's own batched read kept where its samples draw
-    nothing, the streams' states compared around a read) and issue 81 (48: the fewest steps a record must hold to name a slow
+    state nothing reaches, check_draws_reach; 29 more: a dataset's own batched read kept where its samples draw
+    nothing, the streams' states compared around a read; a stream's own generators reseeded too) and issue 81 (48: the fewest steps a record must hold to name a slow
     rank, and each step's phases kept so that a rank is named only where its median step is slow too, not for one
     hiccup; each rank's error line in torchrun's error file, so that its summary names the cause; a line the ranks
     of a node share said once, first_to_say)."""
@@ -771,7 +771,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
         sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
-        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 135 + 48
+        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 136 + 48
     )
     imports = {}
     for name, path in modules.items():

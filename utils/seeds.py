@@ -252,11 +252,13 @@ def per_sample(dataset: Dataset, seed: int) -> Dataset:
 
 def sample_streams(reader, seed: int, *where):
     """reader's samples, each read (a stream applies its map as it yields) with its random streams
-    seeded from (seed, *where, its count): where the stream sampler names the reader and epoch."""
+    and the generators it keeps for itself seeded from (seed, *where, its count): where the stream
+    sampler names the reader and epoch."""
+    generators = own_generators(reader)
     samples = iter(reader)
     count = 0
     while True:
-        with drawn_from(seed, *where, count):
+        with drawn_from(seed, *where, count, generators=generators):
             sample = next(samples, samples)
         if sample is samples:
             return
