@@ -604,15 +604,45 @@ def test_a_commands_own_pythonpath_is_read_as_a_fresh_interpreter_reads_it(tmp_p
     assert site.stdout == f"{processes.WARM} 1 False\n" and stand_in.stdout == "False None True\n"
 
 
-def test_the_readme_one_process_line_learns(tmp_path):
-    """The README's one-process line (Launching), as written but for its output folder: it trains in one process and
-    learns (ten classes: chance is 0.1), on 2 CPU cores in about a quarter of a minute."""
+def readme_line(ends: str) -> list[str]:
+    """The words of the README's command line that ends with ends (its comment too), its comment cut."""
     line = next(
-        line.split("#")[0]
+        line.split("  #")[0]
         for line in (ROOT / "README.md").read_text().splitlines()
-        if line.strip().startswith("python distributed.py")
-        and line.rstrip().endswith("# one process")
+        if line.startswith("    ") and line.rstrip().endswith(ends)
     )
-    words = shlex.split(line)
-    run([PYTHON, *words[1:], "--output-dir", tmp_path / "out"], timeout=300)
-    assert metrics(tmp_path / "out")[-1]["val_acc"] >= 0.9, metrics(tmp_path / "out")
+    return shlex.split(line)
+
+
+def test_the_readme_one_process_and_curves_lines_run_as_written(tmp_path):
+    """The README's one-process line (Launching) and its two lines that record the main job and draw its curves, as
+    written but for their output paths, run at once: the one process learns (ten classes: chance is 0.1) in about a
+    quarter of a minute on 2 CPU cores; the recorded run writes a record every 2 steps and a validation every 4,
+    TensorBoard's events, learns, and its curves are drawn."""
+    one = readme_line("# one process")
+    recorded = readme_line("--tensorboard --output-dir output")
+    plot = readme_line("--out docs/curves.svg")
+    assert one[:2] == ["python", "distributed.py"] and recorded[0] == "torchrun", (one, recorded)
+    assert plot[:2] == ["python", "tests/plot_records.py"] and plot[2] == "output/steps.jsonl", plot
+    out = tmp_path / "recorded"
+    run_parallel(
+        [
+            ([PYTHON, *one[1:], "--output-dir", tmp_path / "one"], {}),
+            ([PYTHON, "-m", "torch.distributed.run", *recorded[1:-1], out], {}),
+        ],
+        timeout=300,
+    )
+    assert metrics(tmp_path / "one")[-1]["val_acc"] >= 0.9, metrics(tmp_path / "one")
+    trained = [r["global_step"] for r in steps(out) if "train_loss" in r]
+    validated = [r["global_step"] for r in steps(out) if "val_loss" in r]
+    assert trained == list(range(2, 49, 2)) and validated == list(range(4, 49, 4)), (
+        trained,
+        validated,
+    )
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert metrics(out)[-1]["val_acc"] >= 0.9, metrics(out)
+    run([PYTHON, ROOT / plot[1], out / "steps.jsonl", "--out", tmp_path / "curves.svg"], timeout=60)
+    svg = (tmp_path / "curves.svg").read_text()
+    assert svg.startswith("<svg") and all(
+        name in svg for name in ("train_loss", "val_loss", "val_acc")
+    )

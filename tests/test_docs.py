@@ -106,6 +106,52 @@ def test_the_readme_is_a_map_whose_test_command_is_what_ci_runs():
     )
 
 
+# Each command line the README shows, by a part of it: the test that runs it as written (but for its output
+# paths), or why none can run here
+README_RUN = {
+    "pip install -r requirements.txt && torchrun": "tests/test_distributed.py::test_the_readme_main_job_learns_from_the_files_a_user_copies",
+    "pip install -r requirements.txt -r tests/requirements.txt": "tests/test_docs.py::test_the_readme_is_a_map_whose_test_command_is_what_ci_runs",
+    "cp -r utils your_project/ddp_utils": "tests/test_distributed.py::test_the_readme_main_job_learns_from_the_files_a_user_copies",
+    "sed -i -E": "tests/test_distributed.py::test_the_readme_main_job_learns_from_the_files_a_user_copies",
+    "--epochs 3   # one process": "tests/test_distributed.py::test_the_readme_one_process_and_curves_lines_run_as_written",
+    "--tensorboard --output-dir output": "tests/test_distributed.py::test_the_readme_one_process_and_curves_lines_run_as_written",
+    "plot_records.py output/steps.jsonl": "tests/test_distributed.py::test_the_readme_one_process_and_curves_lines_run_as_written",
+}
+README_NOT_RUN = {
+    "# all GPUs here": "4 GPUs, and CIFAR-10 downloaded",
+    "--nnodes=2 --node_rank=0": "two machines of 8 GPUs",
+    "srun python": "Slurm",
+    "RANK=0 WORLD_SIZE=2": "a second machine at 10.0.0.1, and CIFAR-10 downloaded",
+    "distributed_mp.py --nproc 4": "4 GPUs, and CIFAR-10 downloaded",
+    "--max-restarts=3": "4 GPUs, and CIFAR-10 downloaded",
+    "--rdzv-endpoint=store:29400": "a store host and machines that join it",
+    "distributed_fsdp.py --optimizer adamw --amp-dtype bfloat16": "8 GPUs, and CIFAR-10 downloaded",
+    "--data-dir /data/imagenet": "ImageNet and 8 GPUs",
+}
+
+
+def test_every_command_the_readme_shows_is_run_as_written_by_a_test_or_says_why_not():
+    """Each command line of the README (its indented blocks) is one entry's: a test that runs it as written exists,
+    or it needs what no test has here (GPUs, machines, Slurm, a download)."""
+    shown = [
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if re.match(r"    (python|torchrun|cp|sed|srun|RANK=)", line)
+    ]
+    assert len(shown) >= 15, shown
+    for line in shown:
+        entries = [part for part in {**README_RUN, **README_NOT_RUN} if part in line]
+        assert len(entries) == 1, (line, entries)
+    for named in README_RUN.values():
+        path, name = named.split("::")
+        functions = {
+            node.name
+            for node in ast.parse((ROOT / path).read_text()).body
+            if isinstance(node, ast.FunctionDef)
+        }
+        assert name in functions, named
+
+
 SCRIPTS = sorted(path.name for path in ROOT.glob("*.py"))
 # what each script's parse_args makes of no flags here, on this machine (computed defaults filled in)
 PARSED = """
