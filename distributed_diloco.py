@@ -426,7 +426,9 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             )
         # --eval-every N: mid-epoch too
         if args.eval_every and step % args.eval_every == 0 and not last:
-            validate(run, epoch, step)
+            # not training: its time is left out of the speed and the phases
+            with meter.paused():
+                validate(run, epoch, step)
             model.train()
         # this point of the epoch (every rank): the same command continues from here
         if (
@@ -434,7 +436,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             or run.stop.save_timer_fired()
             or (args.save_every and step % args.save_every == 0)
         ):
-            save_checkpoint(run, epoch, step)
+            with meter.paused():  # its time left out of the speed too
+                save_checkpoint(run, epoch, step)
         if signum:
             raise errors.Stopped(signum, epoch, step, steps)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed

@@ -331,3 +331,60 @@ def test_a_tiny_run_beside_a_busy_process_names_no_slow_rank(tmp_path):
         assert [r for r in records if r.get("slow")] == [] and " slow: " not in result.stdout, (
             result.stdout
         )
+
+
+# the model sleeps SLEEP_IN_EVAL seconds in each evaluation forward
+SLOW_VALIDATION = """
+import os
+import time
+
+from utils import builtin
+
+
+class SlowToValidate(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        if not self.training:
+            time.sleep(float(os.environ["SLEEP_IN_EVAL"]))
+        return self.model(x)
+
+
+def build_datasets(args):
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes):
+    return SlowToValidate(builtin.model(args.arch, num_classes, args.image_size))
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+
+
+def test_a_slow_validation_mid_epoch_leaves_the_training_speed_and_its_phases_as_they_are(tmp_path):
+    """--eval-every 4 with a model that sleeps 100 ms in each evaluation forward (8 validations of 4 batches a rank,
+    with the moving average's: over 6 s, against about a second of training): each record's and the epoch's images/s
+    are its training steps' (at least half the same run's without the sleep, run beside it), and no phase holds the
+    validation (the optimizer's, where it ran, under 20 ms a step)."""
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", SLOW_VALIDATION)
+    flags = [*TINY, "--epochs", "1", "--print-freq", "8", "--eval-every", "4", "--no-augment"]
+    run_parallel(
+        [
+            (torchrun(2, copy, *flags, "--output-dir", tmp_path / name), {"SLEEP_IN_EVAL": sleep})
+            for name, sleep in (("slow", "0.1"), ("plain", "0"))
+        ],
+        timeout=300,
+    )
+    slow, plain = (
+        [r for r in steps(tmp_path / name) if "phase_ms" in r] for name in ("slow", "plain")
+    )
+    assert len(slow) == len(plain) == 4
+    for record, alike in zip(
+        [*slow, *metrics(tmp_path / "slow")], [*plain, *metrics(tmp_path / "plain")]
+    ):
+        assert record["images_per_s"] >= 0.5 * alike["images_per_s"], (record, alike)
+        assert max(record["phase_ms"]["optimizer"]) < 20, record

@@ -5,6 +5,7 @@ counts samples, whatever a sample is (an image, a token sequence).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -119,6 +120,8 @@ class Meter:
         # When, and at which sums, the last record read the speed.
         self.marked_at = self.start
         self.marked_sums = self.before
+        # Seconds not spent training (paused: a mid-epoch validation, a save), and at that record.
+        self.aside = self.aside_marked = 0.0
         # Each step's phases on this rank (training's; a validation meter's are never read).
         self.phases = phases or StepPhases(torch.device("cpu"))
         # Whether the targets among the top 5 scores are counted too (a validation's).
@@ -230,12 +233,13 @@ class Meter:
         # only one, with the gradients' norm and the phases' events).
         now, table = self.all_ranks_sums(row)
         waits = table[:, 0]
-        seconds = time.perf_counter() - self.marked_at
+        seconds = time.perf_counter() - self.marked_at - (self.aside - self.aside_marked)
         since = Sums.of(now - self.recorded)
         moved = Sums.of(now - self.marked_sums)
         self.recorded = now
         self.marked_at = time.perf_counter()
         self.marked_sums = now
+        self.aside_marked = self.aside
         self.data_wait_recorded = self.data_wait
         record = dict(
             train_loss=since.mean_loss(),
@@ -260,10 +264,22 @@ class Meter:
             train_loss=totals.mean_loss(),
             train_acc=totals.accuracy(),
             epoch_time_s=seconds,
-            images_per_s=samples / seconds,
+            images_per_s=samples / (seconds - self.aside),
             data_wait_s=self.data_wait,
             **self.phases.summary(table),
         )
+
+    @contextlib.contextmanager
+    def paused(self):
+        """A block of the epoch that is not training (a mid-epoch validation, a save): its time is
+        left out of the speed (images/s, TFLOP/s, the time left) and of the phases."""
+        self.phases.pause()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.aside += time.perf_counter() - began
+            self.phases.begin()
 
     def timed(self, iterable):
         """Yield from iterable, adding the time each item took to arrive to data_wait; the
