@@ -372,7 +372,7 @@ def main(teardown: ExitStack) -> None:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model,
         train_loader,
         compute_loss,
@@ -389,7 +389,9 @@ def main(teardown: ExitStack) -> None:
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, max(len(gpus), 1))
+    peak_tflops = peaks.peak_tflops(
+        device, torch.float32, args.peak_tflops, max(len(gpus), 1), convolutions
+    )
     # the time a step spends in each phase (data, forward + loss, backward, optimizer; one
     # process: no wait for others), gathered at each record
     step_phases = profiles.StepPhases(device)

@@ -461,7 +461,7 @@ def main(teardown: ExitStack) -> None:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     if args.sync_bn:
@@ -488,7 +488,9 @@ def main(teardown: ExitStack) -> None:
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(device, torch.float32, args.peak_tflops, world_size)
+    peak_tflops = peaks.peak_tflops(
+        device, torch.float32, args.peak_tflops, world_size, convolutions
+    )
     # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
     # ranks, optimizer), gathered at each record, which names a rank slower than the others
     step_phases = profiles.StepPhases(device)

@@ -496,7 +496,7 @@ def main(teardown: ExitStack) -> None:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     if args.sync_bn:
@@ -530,7 +530,7 @@ def main(teardown: ExitStack) -> None:
     log.info(f"autocast {amp_dtype}, gradient scaling {'on' if scaler.is_enabled() else 'off'}")
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(device, amp_dtype, args.peak_tflops, world_size)
+    peak_tflops = peaks.peak_tflops(device, amp_dtype, args.peak_tflops, world_size, convolutions)
     # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
     # ranks, optimizer), gathered at each record, which names a rank slower than the others
     step_phases = profiles.StepPhases(device)

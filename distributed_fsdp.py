@@ -802,7 +802,7 @@ def main(teardown: ExitStack) -> None:
         dist.broadcast(buffer, 0)
     del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=True
     )
     if args.compile:
@@ -816,7 +816,7 @@ def main(teardown: ExitStack) -> None:
     )
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
     peak_tflops = peaks.peak_tflops(
-        device, amp_dtype or torch.float32, args.peak_tflops, world_size
+        device, amp_dtype or torch.float32, args.peak_tflops, world_size, convolutions
     )
     # this rank's time in each phase of a step (data, forward + loss and backward with their
     # all-gathers and reduce-scatters, optimizer), gathered at each record, which names a rank

@@ -54,6 +54,28 @@ def test_the_table_gives_each_gpu_its_dense_peak_and_an_unknown_one_none(
     assert peaks.known_peak(name, torch.float32, False) == fp32
 
 
+def test_a_float32_peak_follows_the_precision_its_matmuls_and_convolutions_run_in(monkeypatch):
+    """On a stubbed H100, float32: a model of matmuls alone is rated against the full float32 peak (67 TFLOP/s)
+    under PyTorch's default matmul precision ("highest"), against TF32's (494.5) with "high"; one of convolutions
+    against TF32's (cuDNN's default); a model of both, each part at its own peak; bfloat16 as the table gives it."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert peaks.peak_tflops(cuda, torch.float32, None, 1, 0.0) == 67.0
+    assert peaks.peak_tflops(cuda, torch.float32, None, 1, 1.0) == 494.5
+    assert peaks.peak_tflops(cuda, torch.float32, None, 2, 0.9) == pytest.approx(
+        2 / (0.9 / 494.5 + 0.1 / 67)
+    )
+    assert peaks.peak_tflops(cuda, torch.bfloat16, None, 1, 0.9) == 989.5
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert peaks.peak_tflops(cuda, torch.float32, None, 1, 0.0) == 494.5
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def test_a_cpu_run_writes_no_mfu_and_says_why_once_and_a_given_peak_gives_one(tmp_path):
     """2 processes on the CPU: no mfu in metrics.jsonl, and one line saying why; with --peak-tflops, each epoch's
     mfu is its TFLOP/s over both processes' peak."""

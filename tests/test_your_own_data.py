@@ -412,7 +412,7 @@ def mse_per_sample_and_count(outputs, targets):
     return mse_per_sample(outputs, targets), len(targets)
 
 
-def start_up_step(model, inputs, targets, compute_loss) -> float:
+def start_up_step(model, inputs, targets, compute_loss) -> tuple[float, float]:
     """checks.first_step_flops as the scripts call it, on a loader of these samples in one batch."""
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(inputs, targets),
@@ -562,10 +562,13 @@ def test_the_start_up_step_leaves_weights_statistics_and_random_streams_as_they_
     )
     before, inputs = {k: v.clone() for k, v in model.state_dict().items()}, torch.randn(5, 3, 8, 8)
     rng = torch.get_rng_state()
-    flops = start_up_step(
+    flops, convolutions = start_up_step(
         model, inputs, torch.tensor([0, 1, 2, 0, 1]), torch.nn.functional.cross_entropy
     )
-    assert flops > 0 and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(torch.get_rng_state(), rng)
+    # a sample's forward: the convolution's 2 x 4 x 6 x 6 x 27 and the layer's 2 x 144 x 3; the backward twice the
+    # layer's (its input's gradient and its weights') and the convolution's weights' alone (the input needs none)
+    assert flops == 2 * 7776 + 3 * 864 and convolutions == pytest.approx(2 * 7776 / flops)
     assert all(
         torch.equal(v, before[k]) for k, v in model.state_dict().items()
     )  # num_batches_tracked too
@@ -764,8 +767,9 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     nothing, the streams' states compared around a read; a stream's own generators reseeded too) and issue 81 (48: the fewest steps a record must hold to name a slow
     rank, and each step's phases kept so that a rank is named only where its median step is slow too, not for one
     hiccup; each rank's error line in torchrun's error file, so that its summary names the cause; a line the ranks
-    of a node share said once, first_to_say) and issue 82 (10: Meter.paused, the time of a mid-epoch validation or a
-    save left out of the speed and the phases)."""
+    of a node share said once, first_to_say) and issue 82 (13: Meter.paused, the time of a mid-epoch validation or a
+    save left out of the speed and the phases; the convolutions' share of the start-up step's FLOPs, and a float32
+    peak that follows the precision each part runs in)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
@@ -774,7 +778,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
         sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
-        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 136 + 48 + 10
+        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 136 + 48 + 13
     )
     imports = {}
     for name, path in modules.items():

@@ -52,10 +52,11 @@ def first_step_flops(
     args,
     device: torch.device,
     unused_ok: bool,
-) -> float:
+) -> tuple[float, float]:
     """The FLOPs of a sample's forward and backward, counted around the model and loss only
     (FlopCounterMode would see our own collectives too), in a step of two samples that is undone
-    (in float32 whatever the training's precision: two samples are small); on the way, what would
+    (in float32 whatever the training's precision: two samples are small), and the convolutions'
+    share of them (peaks: cuDNN's TF32 flag rules their float32 precision); on the way, what would
     fail or learn nothing ends every rank with one line. Every rank calls it."""
     # Batch-norm statistics, put back afterwards.
     buffers = [b.clone() for b in model.buffers()]
@@ -109,7 +110,13 @@ def first_step_flops(
             " train such a model, or leave them out of it"
         )
     flops = forward_flops.get_total_flops() + backward_flops.get_total_flops()
-    return flops / samples
+    convolutions = sum(
+        count
+        for counter in (forward_flops, backward_flops)
+        for op, count in counter.get_flop_counts()["Global"].items()
+        if "convolution" in str(op)
+    )
+    return flops / samples, convolutions / max(flops, 1)
 
 
 def check_draws_reach(dataset) -> None:

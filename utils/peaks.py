@@ -44,11 +44,17 @@ def known_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
 
 
 def peak_tflops(
-    device: torch.device, dtype: torch.dtype, given: float | None, devices: int
+    device: torch.device,
+    dtype: torch.dtype,
+    given: float | None,
+    devices: int,
+    convolutions: float = 0.0,
 ) -> float | None:
     """The peak a run's MFU is measured against, over its devices: given (--peak-tflops, a
     device's), or the table's for this GPU and the run's precision; says which, or why there is
-    none, once."""
+    none, once. In float32, convolutions (their share of the FLOPs: first_step_flops) run in
+    TF32 where cuDNN allows it (its default), matmuls only where the matmul precision does
+    ("high"; PyTorch's default "highest" runs them in float32): each part at its own peak."""
     if given:
         log.info(f"mfu over {devices} x {given:g} TFLOP/s (--peak-tflops)")
         return devices * given
@@ -56,13 +62,15 @@ def peak_tflops(
         log.info(f"no mfu: no known peak TFLOP/s for {device.type} (give one with --peak-tflops)")
         return None
     name = torch.cuda.get_device_name(device)
-    # float32 convolutions use TF32 by default (cuDNN's allow_tf32): its peak then
-    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
-    peak = known_peak(name, dtype, tf32)
+    peak = known_peak(name, dtype, torch.backends.cuda.matmul.allow_tf32)
     if peak is None:
         log.info(f"no mfu: no known {dtype} peak for {name} (give one with --peak-tflops)")
         return None
-    log.info(f"mfu over {devices} x {peak:g} TFLOP/s, the dense {dtype} peak of {name}")
+    if dtype == torch.float32 and convolutions:
+        convolution_peak = known_peak(name, dtype, torch.backends.cudnn.allow_tf32)
+        # the time of each part at its peak, added: the whole's
+        peak = 1 / (convolutions / convolution_peak + (1 - convolutions) / peak)
+    log.info(f"mfu over {devices} x {peak:.4g} TFLOP/s, the dense {dtype} peak of {name}")
     return devices * peak
 
 
