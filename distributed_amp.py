@@ -332,6 +332,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
                 p.grad for p in model.parameters() if p.grad is not None
             )
         scale = internals.loss_scale(scaler).clone() if scaler.is_enabled() else None
+        # the optimizer's phase, also of a step GradScaler skips (its step hook would not run)
+        run.recorder.phases.enter(profiles.OPTIMIZER)
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN
         run.ema.update()  # --ema: the average moves toward the new weights
         run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay

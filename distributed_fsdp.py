@@ -490,6 +490,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
                 p.grad for p in model.parameters() if p.grad is not None
             )
         # each rank updates its shard; float16: skipped on every rank if one overflowed
+        # the optimizer's phase, also of a step GradScaler skips (its step hook would not run)
+        run.recorder.phases.enter(profiles.OPTIMIZER)
         scaler.step(optimizer)
         scaler.update()
         run.ema.update()  # --ema: the average of each rank's own shards moves toward them

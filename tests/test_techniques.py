@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from utils import optimizers
+from utils.profiles import PHASES
 from processes import (
     EVAL_EVERY,
     MEASURED,
@@ -51,9 +52,14 @@ def test_mixed_precision_learns(dtype, tmp_path):
 
 def test_float16_overflow_is_skipped_and_continues_exactly(tmp_path):
     """A loss scale of 2^30 overflows float16 gradients: those steps are skipped, the
-    weights stay finite, and a continued run ends exactly where an uninterrupted one does."""
+    weights stay finite, and a continued run ends exactly where an uninterrupted one does. A
+    skipped step is still a step of the phases: --profile 2:4 holds three of each phase."""
     args = [*SMALL, "--amp-dtype", "float16", "--init-scale", str(2.0**30)]
-    run(python("distributed_amp.py", *args, "--output-dir", tmp_path / "straight"))
+    straight = tmp_path / "straight"
+    run(python("distributed_amp.py", *args, "--profile", "2:4", "--output-dir", straight))
+    events = json.loads((straight / "profile" / "rank0.json").read_text())["traceEvents"]
+    ranges = [e["name"] for e in events if e.get("ph") == "X" and e["name"] in PHASES]
+    assert all(ranges.count(name) == 3 for name in PHASES[:5]), ranges  # no outer step
     run(
         python(
             "distributed_amp.py", *args, "--stop-after", "1", "--output-dir", tmp_path / "resumed"
