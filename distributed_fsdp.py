@@ -700,6 +700,7 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
             weights = get_model_state_dict(
                 module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
+            weights = checkpoints.tied_once(weights, module)  # a tied head saved once
             with ranks.errors_shared_by_all_ranks():
                 if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
                     checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
@@ -716,6 +717,7 @@ def save_best(run: Training) -> None:
             ranks.unwrap(run.model),
             options=StateDictOptions(full_state_dict=True, cpu_offload=True),
         )
+    weights = checkpoints.tied_once(weights, ranks.unwrap(run.model))
     with ranks.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             path = Path(run.args.output_dir) / "model_best.pt"

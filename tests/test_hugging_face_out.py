@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from processes import run_parallel, weights
 from test_fsdp import YOUR_LANGUAGE_MODEL
@@ -88,10 +89,16 @@ def test_a_hugging_face_model_comes_out_for_from_pretrained(script, trained):
     out = trained / script
     assert {"config.json", "model.safetensors"} <= {p.name for p in (out / "hf").iterdir()}
     model = yours["GPT2LMHeadModel"](yours["CONFIG"])
-    model.load_state_dict(weights(out))  # the checkpoint's (FSDP: model.pt's) trained weights
+    saved = weights(out)  # the checkpoint's (FSDP: model.pt's) trained weights
+    model.load_state_dict(saved)
     loaded = yours["GPT2LMHeadModel"].from_pretrained(out / "hf")
     assert torch.equal(logits(loaded, yours), logits(model, yours))
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied
+    # the tied head saved once: one tensor for both keys (FSDP gathers each key apart), and hf/ without it
+    head, embedding = saved["lm_head.weight"], saved["transformer.wte.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    with safe_open(out / "hf" / "model.safetensors", "pt") as f:
+        assert "transformer.wte.weight" in f.keys() and "lm_head.weight" not in f.keys()
 
 
 @pytest.mark.parametrize("script", ["distributed.py", "distributed_fsdp.py"])

@@ -148,6 +148,18 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     return epoch, step
 
 
+def tied_once(weights: dict, model: nn.Module) -> dict:
+    """Gathered weights (get_model_state_dict: each key its own tensor) with the keys of one tied
+    parameter (GPT-2's head and token embeddings) holding one tensor again: saved once in model.pt,
+    and seen as tied by save_pretrained."""
+    first = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied = first.setdefault(id(parameter), name)
+        if tied != name and tied in weights and name in weights:
+            weights[name] = weights[tied]
+    return weights
+
+
 def save_pretrained(model: nn.Module, directory: Path, watchdog, state: dict | None = None) -> None:
     """A Hugging Face model as its save_pretrained writes it (a PEFT model: the adapter alone), for
     from_pretrained: from state, its whole weights with plain keys, where the model holds shards;
