@@ -768,9 +768,10 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     nothing, the streams' states compared around a read; a stream's own generators reseeded too) and issue 81 (48: the fewest steps a record must hold to name a slow
     rank, and each step's phases kept so that a rank is named only where its median step is slow too, not for one
     hiccup; each rank's error line in torchrun's error file, so that its summary names the cause; a line the ranks
-    of a node share said once, first_to_say) and issue 82 (13: Meter.paused, the time of a mid-epoch validation or a
+    of a node share said once, first_to_say) and issue 82 (18: Meter.paused, the time of a mid-epoch validation or a
     save left out of the speed and the phases; the convolutions' share of the start-up step's FLOPs, and a float32
-    peak that follows the precision each part runs in) and issue 84 (7: tied_once, the keys of a tied parameter one
+    peak that follows the precision each part runs in; ModelFlops, a backward's FLOPs without the forward activation
+    checkpointing recomputes) and issue 84 (7: tied_once, the keys of a tied parameter one
     tensor again after FSDP's gather)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
@@ -780,7 +781,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert (
         sum(statements(path) for path in (ROOT / "utils").glob("*.py"))
-        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 136 + 48 + 13 + 7
+        <= 1476 + 43 + 57 + 21 + 8 + 30 + 50 + 109 + 22 + 213 + 136 + 48 + 18 + 7
     )
     imports = {}
     for name, path in modules.items():
@@ -887,3 +888,43 @@ def test_each_script_holds_its_recipe():
         nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
         inside = [n for n in ast.walk(functions["main"]) if isinstance(n, nested)]
         assert inside == [functions["main"]], (script, [ast.unparse(n)[:60] for n in inside])
+
+
+class Checkpointed(torch.nn.Module):
+    """Two layers, recomputed in the backward where checkpointed (non-reentrant, as the scripts and Hugging Face
+    checkpoint)."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.first, self.second, self.checkpointed = (
+            torch.nn.Linear(16, 16),
+            torch.nn.Linear(16, 3),
+            checkpointed,
+        )
+
+    def layers(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+    def forward(self, x):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.layers, x, use_reentrant=False)
+        return self.layers(x)
+
+
+def test_activation_checkpointing_leaves_the_start_up_steps_flops_as_they_are():
+    """The start-up step counts model FLOPs: a checkpointed model's forward recomputed in the backward is not counted
+    again (MFU must not rise when work is redone)."""
+    inputs, targets = torch.randn(4, 16), torch.tensor([0, 1, 2, 0])
+    counted = [
+        start_up_step(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), Checkpointed(checkpointed)),
+            inputs,
+            targets,
+            torch.nn.functional.cross_entropy,
+        )[0]
+        for checkpointed in (False, True)
+    ]
+    # each layer's forward and the gradients of its weights and (but the first's) its input
+    assert counted[0] == counted[1] == 2 * (2 * 16 * 16) + 3 * (2 * 16 * 16) + 3 * (2 * 16 * 3), (
+        counted
+    )

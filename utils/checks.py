@@ -45,6 +45,17 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
     )
 
 
+class ModelFlops(FlopCounterMode):
+    """FlopCounterMode over a backward, without the forward that activation checkpointing
+    recomputes in it: model FLOPs, not the hardware's, so MFU does not rise when work is redone.
+    The recompute runs with gradients enabled, the backward's own ops without."""
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if torch.is_grad_enabled():
+            return out
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
 def first_step_flops(
     model: nn.Module,
     loader: DataLoader,
@@ -91,7 +102,7 @@ def first_step_flops(
                 check_class_targets(outputs, batch_to_device(more, device, loader.dataset)[1])
             loss = compute_loss(outputs, targets)
             check_loss(loss)
-        with FlopCounterMode(display=False) as backward_flops:
+        with ModelFlops(display=False) as backward_flops:
             if isinstance(loss, torch.Tensor):
                 loss.backward()
             else:
