@@ -4,6 +4,8 @@
     python tests/benchmark.py                         # a GPU machine: ResNet-18, CIFAR-shaped fake data
     python tests/benchmark.py --quick --chart speed.svg   # and a bar chart of images/s
     python tests/benchmark.py --image-folders         # generated JPEG folders: loaders and training
+    python tests/benchmark.py --lm --quick --chart lm.svg   # a language model: the scripts, a plain loop, Trainer,
+                                                            # Accelerate (GPT-2 small on a GPU, without --quick)
 
 Cases run in turn, round after round (so slow drift of the machine hits all
 of them alike); each run's first epoch is warm-up (and compilation), shown
@@ -16,6 +18,7 @@ the command. It lives beside the tests because it drives the scripts exactly as 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -35,7 +38,8 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
     str(Path(__file__).resolve().parents[1]),
 ]  # and utils
-from utils import images  # noqa: E402
+from utils import images, peaks  # noqa: E402
+import lm_workload  # noqa: E402
 import textbook  # noqa: E402
 from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
@@ -466,35 +470,46 @@ def textbook_ratio(results: dict[str, dict], same: str) -> str:
 
 def chart(rows: list[tuple[Case, dict]], title: str) -> str:
     """An SVG bar chart of images/s per approach, fastest first: the scripts in blue, the textbook loop grey."""
-    rows = sorted(rows, key=lambda row: -row[1]["images_per_s"])
+    return bars(
+        [
+            (
+                case.name,
+                s["images_per_s"],
+                "#9e9e9e"
+                if case.name.startswith(TEXTBOOK)
+                else "#b0bec5"
+                if case.launcher == "pair"
+                else "#1f77b4",
+            )
+            for case, s in rows
+        ],
+        title,
+        "images/s, higher is better. Blue: these scripts; grey: the textbook loop; light: a ceiling, not a way to "
+        "train",
+    )
+
+
+def bars(items: list[tuple[str, float, str]], title: str, legend: str) -> str:
+    """An SVG bar chart of (name, value, colour), largest first, the legend below."""
+    items = sorted(items, key=lambda item: -item[1])
     left = 20 + round(
-        7.5 * max(len(case.name) for case, _ in rows)
+        7.5 * max(len(name) for name, _, _ in items)
     )  # about 7.5 px a character at 13 px
-    bar, step, scale = 20, 28, 330 / max(s["images_per_s"] for _, s in rows)
-    height = 70 + step * len(rows)
+    bar, step, scale = 20, 28, 330 / max(value for _, value, _ in items)
+    height = 70 + step * len(items)
     svg = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(800, left + 420)}" height="{height}" '
         f'font-family="sans-serif" font-size="13"><rect width="100%" height="100%" fill="white"/>',
         f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
     ]
-    for i, (case, s) in enumerate(rows):
-        y, width = 40 + i * step, s["images_per_s"] * scale
-        colour = (
-            "#9e9e9e"
-            if case.name.startswith(TEXTBOOK)
-            else "#b0bec5"
-            if case.launcher == "pair"
-            else "#1f77b4"
-        )
+    for i, (name, value, colour) in enumerate(items):
+        y, width = 40 + i * step, value * scale
         svg += [
-            f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(case.name)}</text>',
+            f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(name)}</text>',
             f'<rect x="{left}" y="{y}" width="{width:.1f}" height="{bar}" fill="{colour}"/>',
-            f'<text x="{left + width + 6:.1f}" y="{y + 15}">{s["images_per_s"]:,.0f}</text>',
+            f'<text x="{left + width + 6:.1f}" y="{y + 15}">{value:,.0f}</text>',
         ]
-    svg.append(
-        f'<text x="10" y="{height - 12}" fill="#555">images/s, higher is better. Blue: these scripts; '
-        f"grey: the textbook loop; light: a ceiling, not a way to train</text>"
-    )
+    svg.append(f'<text x="10" y="{height - 12}" fill="#555">{escape(legend)}</text>')
     return "\n".join(svg + ["</svg>\n"])
 
 
@@ -685,6 +700,204 @@ def image_folder_benchmark(args, gpus: int) -> None:
         print(textbook_ratio(results, pair[1].name))
 
 
+# GPT-2 small's size (tests/lm_workload.py reads it from the environment): the GPU's language-model workload
+GPT2_SMALL = dict(LM_LAYERS="12", LM_WIDTH="768", LM_HEADS="12", LM_LENGTH="1024", LM_VOCAB="50257")
+
+
+def lm_cases(quick: bool) -> list[tuple[str, str, list[str], str]]:
+    """The language-model rows: (name, a script or a peer of tests/lm_peers.py, flags, autocast dtype)."""
+    bf16 = ["--amp-dtype", "bfloat16"]
+    rows = [
+        ("distributed.py", "distributed.py", [], "float32"),
+        ("distributed_amp.py --amp-dtype bfloat16", "distributed_amp.py", bf16, "bfloat16"),
+        ("distributed_fsdp.py", "distributed_fsdp.py", [], "float32"),
+        ("distributed_fsdp.py --amp-dtype bfloat16", "distributed_fsdp.py", bf16, "bfloat16"),
+        ("textbook loop", "textbook", [], "float32"),
+        ("textbook loop, bfloat16 autocast", "textbook", [], "bfloat16"),
+        ("Trainer", "trainer", [], "float32"),
+        ("Trainer, bf16", "trainer", [], "bfloat16"),
+        ("Accelerate", "accelerate", [], "float32"),
+        ("Accelerate, bf16", "accelerate", [], "bfloat16"),
+    ]
+    if not quick:  # compiled on a GPU: inductor's CPU compile of GPT-2 takes minutes
+        rows[2:2] = [
+            ("distributed.py --compile", "distributed.py", ["--compile"], "float32"),
+            (
+                "distributed_amp.py --amp-dtype bfloat16 --compile",
+                "distributed_amp.py",
+                [*bf16, "--compile"],
+                "bfloat16",
+            ),
+        ]
+    return rows
+
+
+def run_lm_case(case: tuple, args, nproc: int, env: dict, out: Path) -> list[dict]:
+    """One language-model row: each epoch's seconds, sequences/s, training loss and peak memory."""
+    _, target, flags, dtype = case
+    common = ["--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
+    if target.endswith(".py"):
+        copy = copy_with_your_functions(target, out / "copy", lm_workload.YOURS)
+        shutil.copy(Path(__file__).with_name("lm_workload.py"), copy.parent)
+        # the peers' recipe: AdamW, weight decay 0.01, 5% warm-up, a cosine decay; no record between epochs
+        recipe = [
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "0.05",
+            "--print-freq",
+            "100000",
+        ]
+        run(
+            torchrun(
+                nproc,
+                copy,
+                *common,
+                "--fake-size",
+                str(args.fake_size),
+                *recipe,
+                *flags,
+                "--output-dir",
+                out,
+            ),
+            timeout=1800,
+            env=env,
+        )
+        return [
+            dict(
+                epoch_time_s=m["epoch_time_s"],
+                samples_per_s=m["images_per_s"],
+                train_loss=m["train_loss"],
+                peak_mem_mb=m.get("peak_mem_mb", 0.0),
+            )
+            for m in metrics(out)
+        ]
+    peers = str(Path(__file__).with_name("lm_peers.py"))
+    run(
+        torchrun(
+            nproc,
+            peers,
+            "--peer",
+            target,
+            *common,
+            "--size",
+            str(args.fake_size),
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "0.05",
+            "--amp-dtype",
+            dtype,
+            "--output-dir",
+            out,
+        ),
+        timeout=1800,
+        env=env,
+    )
+    return json.loads((out / "epochs.json").read_text())
+
+
+def lm_summary(runs: list[list[dict]], dtype: str, gpus: int) -> dict:
+    """A row's tokens/s (the median run's measured epochs), TFLOP/s by the field's count (the same for every row),
+    MFU where the GPU's peak is known, peak memory and the last epoch's loss."""
+    rates = [statistics.mean(e["samples_per_s"] for e in epochs[1:]) for epochs in runs]
+    tokens = statistics.median(rates) * lm_workload.size()["LM_LENGTH"]
+    tflops = tokens * lm_workload.flops_per_token() / 1e12
+    mfu = None
+    if gpus:
+        peak = peaks.known_peak(
+            torch.cuda.get_device_name(0),
+            getattr(torch, dtype),
+            torch.backends.cuda.matmul.allow_tf32,
+        )
+        mfu = tflops / (gpus * peak) if peak else None
+    return dict(
+        seconds=statistics.median(statistics.mean(e["epoch_time_s"] for e in r[1:]) for r in runs),
+        tokens_per_s=tokens,
+        tflops=tflops,
+        mfu=mfu,
+        peak_mem_mb=runs[-1][-1]["peak_mem_mb"],
+        loss=runs[-1][-1]["train_loss"],
+    )
+
+
+def lm_table(results: dict[str, dict], nproc: int, batch: int) -> str:
+    textbook = results.get("textbook loop")
+    lines = [
+        "| approach | processes | global batch | s/epoch | tokens/s | TFLOP/s | MFU | peak memory MB | last epoch's "
+        "loss | tokens/s / textbook loop |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, s in results.items():
+        mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        ratio = "-" if textbook is None else f"{s['tokens_per_s'] / textbook['tokens_per_s']:.2f}x"
+        lines.append(
+            f"| {name} | {nproc} | {batch} | {s['seconds']:.2f} | {s['tokens_per_s']:,.0f} | {s['tflops']:.3f} "
+            f"| {mfu} | {s['peak_mem_mb']:.0f} | {s['loss']:.3f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def lm_ratios(results: dict[str, dict]) -> str:
+    """The scripts' fastest DDP row against each peer's fastest row."""
+    ours = max(
+        (name for name in results if name.startswith("distributed")),
+        key=lambda n: results[n]["tokens_per_s"],
+    )
+    lines = []
+    for peer in ("textbook loop", "Trainer", "Accelerate"):
+        theirs = [name for name in results if name.startswith(peer)]
+        if theirs:
+            best = max(theirs, key=lambda n: results[n]["tokens_per_s"])
+            ratio = results[ours]["tokens_per_s"] / results[best]["tokens_per_s"]
+            lines.append(f"- {ours} / {best} = {ratio:.2f}x tokens/s")
+    return "\n".join(lines)
+
+
+def lm_benchmark(args, gpus: int) -> None:
+    """The language-model rows, round after round; the table, the ratios and the chart."""
+    nproc = 2 if args.quick else gpus
+    env = {"OMP_NUM_THREADS": "1"} if args.quick else dict(GPT2_SMALL)
+    os.environ.update(env)  # lm_workload's size, here too (the FLOPs a token)
+    selected = [
+        c
+        for c in lm_cases(args.quick)
+        if not args.only or any(w in c[0] for w in args.only.split("|"))
+    ]
+    runs: dict[str, list] = {c[0]: [] for c in selected}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.repeats):
+            for i, case in enumerate(selected):
+                print(f"round {round_ + 1}/{args.repeats}: {case[0]}", file=sys.stderr, flush=True)
+                runs[case[0]].append(
+                    run_lm_case(case, args, nproc, env, Path(tmp) / f"{round_}-{i}")
+                )
+    results = {c[0]: lm_summary(runs[c[0]], c[3], gpus) for c in selected}
+    s = lm_workload.size()
+    workload = (
+        f"GPT-2 of {s['LM_LAYERS']} layers, width {s['LM_WIDTH']}, {s['LM_LENGTH']} tokens a sequence, vocabulary "
+        f"{s['LM_VOCAB']}, {args.fake_size} sequences an epoch, global batch {args.batch_size}"
+    )
+    print(
+        f"Workload: {workload}, {args.epochs} epochs per run (the first is warm-up), {args.repeats} runs per row; "
+        f"TFLOP/s: 6N a token plus 12 L T d ({lm_workload.flops_per_token():.4g} FLOPs a token).\n"
+    )
+    print(lm_table(results, nproc, args.batch_size))
+    print("\n" + lm_ratios(results))
+    print(machine_and_command())
+    if args.chart:
+        items = [
+            (name, r["tokens_per_s"], "#1f77b4" if name.startswith("distributed") else "#9e9e9e")
+            for name, r in results.items()
+        ]
+        legend = "tokens/s, higher is better. Blue: these scripts; grey: the loops users would otherwise run"
+        Path(args.chart).write_text(
+            bars(items, f"{workload}; {hardware().split(', PyTorch')[0]}", legend)
+        )
+
+
 def machine_and_command() -> str:
     """A table's last lines: the machine, and the command that made it."""
     command = shlex.join(sys.argv[1:])
@@ -747,6 +960,11 @@ def main() -> None:
         help=f"leave out the stream row that runs the scripts of commit {STREAM_BEFORE}",
     )
     parser.add_argument(
+        "--lm",
+        action="store_true",
+        help="instead: a language model (GPT-2 from its config) by the scripts, a plain loop, Trainer and Accelerate",
+    )
+    parser.add_argument(
         "--image-folders",
         action="store_true",
         help="instead: loaders and training on two generated JPEG folders (ImageNet-shaped, phone)",
@@ -762,6 +980,10 @@ def main() -> None:
             repeats=3, epochs=3, fake_size=50_000, batch_size=512, arch="resnet18", image_size=32
         )
     )
+    if args.lm:  # sequences an epoch (--fake-size) and their global batch
+        defaults = dict(repeats=2, epochs=3, fake_size=1024, batch_size=32)
+        if gpus:
+            defaults.update(repeats=3, fake_size=4096, batch_size=32 * gpus)
     if args.image_folders:
         defaults = dict(repeats=2, epochs=3, batch_size=32, image_size=224, arch="tiny")
         if gpus:
@@ -769,6 +991,9 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.lm:
+        lm_benchmark(args, gpus)
+        return
     if args.image_folders:
         image_folder_benchmark(args, gpus)
         print(machine_and_command())

@@ -1,6 +1,9 @@
 """The benchmark's quick mode runs end to end and prints its table, ratios and chart (speed is not checked)."""
 
+import math
 import xml.etree.ElementTree as ET
+
+import benchmark
 
 from processes import PYTHON, run
 
@@ -69,3 +72,50 @@ def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
     assert (
         len(bars) == 15 and len({bar.get("fill") for bar in bars}) == 3
     )  # ours, the textbook loop, the ceiling
+
+
+def test_the_language_model_benchmark_prints_every_row_its_ratios_and_chart(tmp_path):
+    """--lm --quick, small: every row (the scripts in float32 and bfloat16, DDP and FSDP; the textbook loop, Trainer
+    and Accelerate in both) trains GPT-2 from its config and has its tokens/s, TFLOP/s by the field's count, no MFU on
+    a CPU, its peak memory and a loss below the untrained model's (the vocabulary's log); the ratios of the scripts'
+    fastest row to each peer's; the chart a bar a row, ours in one colour and the peers in another."""
+    svg = tmp_path / "lm.svg"
+    result = run(
+        [
+            PYTHON,
+            "tests/benchmark.py",
+            "--lm",
+            "--quick",
+            "--repeats",
+            "1",
+            "--epochs",
+            "2",
+            "--fake-size",
+            "128",
+        ]
+        + ["--chart", svg],
+        timeout=600,
+        env={"DDP_TESTS_WARM": "1"},  # its runs forked warm: the table is checked, not the speed
+    )
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ")][
+        2:
+    ]
+    assert [row[0].strip() for row in rows] == [
+        name for name, *_ in benchmark.lm_cases(quick=True)
+    ], rows
+    for row in rows:
+        processes, batch, seconds, tokens, tflops, mfu, memory, loss, _ = (
+            cell.strip() for cell in row[1:]
+        )
+        assert (processes, batch, mfu) == ("2", "32", "-") and float(seconds) > 0, row
+        assert float(tokens.replace(",", "")) > 0 and float(tflops) > 0 and float(memory) > 0, row
+        assert 0 < float(loss) < math.log(512), row  # it learns: below the untrained model's loss
+    # the scripts' fastest row against each peer's fastest, in turn
+    ratios = [line for line in result.stdout.splitlines() if line.startswith("- distributed")]
+    assert len(ratios) == 3, result.stdout
+    for line, peer in zip(ratios, ("textbook loop", "Trainer", "Accelerate")):
+        theirs, ratio = line.split(" / ")[1].split(" = ")
+        assert theirs.startswith(peer) and float(ratio.removesuffix("x tokens/s")) > 0, line
+    assert any(line.startswith("Hardware: ") for line in result.stdout.splitlines())
+    bars = ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}rect")[1:]
+    assert len(bars) == len(rows) and len({bar.get("fill") for bar in bars}) == 2
