@@ -416,25 +416,22 @@ def compute_loss(outputs, targets):
 
 
 def test_a_slow_validation_mid_epoch_leaves_the_training_speed_and_its_phases_as_they_are(tmp_path):
-    """--eval-every 4 with a model that sleeps 100 ms in each evaluation forward (8 validations of 4 batches a rank,
-    with the moving average's: over 6 s, against about a second of training): each record's and the epoch's images/s
-    are its training steps' (at least half the same run's without the sleep, run beside it), and no phase holds the
-    validation (the optimizer's, where it ran, under 20 ms a step)."""
+    """--eval-every 4 with a model that sleeps 100 ms in each evaluation forward: 7 validations mid-epoch, each of 4
+    batches a rank (and the moving average's as many): the epoch's images/s are its training steps', at least 2.8 s
+    (the sleeps of the model's validations alone) shorter than its epoch_time_s; no phase holds a validation (the
+    optimizer's, where it ran, under 50 ms a step in each record, against about 200 were it counted). Not timed
+    against another run: the sleeps are the bound."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", SLOW_VALIDATION)
     flags = [*TINY, "--epochs", "1", "--print-freq", "8", "--eval-every", "4", "--no-augment"]
-    run_parallel(
-        [
-            (torchrun(2, copy, *flags, "--output-dir", tmp_path / name), {"SLEEP_IN_EVAL": sleep})
-            for name, sleep in (("slow", "0.1"), ("plain", "0"))
-        ],
+    run(
+        torchrun(2, copy, *flags, "--output-dir", tmp_path / "slow"),
+        env={"SLEEP_IN_EVAL": "0.1"},
         timeout=300,
     )
-    slow, plain = (
-        [r for r in steps(tmp_path / name) if "phase_ms" in r] for name in ("slow", "plain")
-    )
-    assert len(slow) == len(plain) == 4
-    for record, alike in zip(
-        [*slow, *metrics(tmp_path / "slow")], [*plain, *metrics(tmp_path / "plain")]
-    ):
-        assert record["images_per_s"] >= 0.5 * alike["images_per_s"], (record, alike)
-        assert max(record["phase_ms"]["optimizer"]) < 20, record
+    trained = [r for r in steps(tmp_path / "slow") if "phase_ms" in r]
+    validated = [r for r in steps(tmp_path / "slow") if "val_loss" in r]
+    assert len(trained) == 4 and len(validated) == 8, (trained, validated)
+    for record in trained:
+        assert max(record["phase_ms"]["optimizer"]) < 50, record
+    (epoch,) = metrics(tmp_path / "slow")
+    assert epoch["epoch_time_s"] - 32 * 32 / epoch["images_per_s"] >= 7 * 4 * 0.1, epoch
