@@ -48,7 +48,8 @@ def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | 
 class ModelFlops(FlopCounterMode):
     """FlopCounterMode over a backward, without the forward that activation checkpointing
     recomputes in it: model FLOPs, not the hardware's, so MFU does not rise when work is redone.
-    The recompute runs with gradients enabled, the backward's own ops without."""
+    The recompute runs with gradients enabled, the backward's own ops without. (FlopCounterMode's
+    own hook for each op: a PyTorch without it counts the recompute, as FlopCounterMode does.)"""
 
     def _count_flops(self, func_packet, out, args, kwargs):
         if torch.is_grad_enabled():

@@ -142,7 +142,8 @@ def first_to_say(line: str) -> bool:
     create a file named for the line there says it. Without torchrun, every process says its own
     (distributed_mp.py's parent says one)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    # torchrun's layout: ATTEMPT/LOCAL_RANK/error.json, a new attempt folder each start
+    if not path or not Path(path).parents[1].name.startswith("attempt_"):
         return True
     said = Path(path).parents[1] / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
     try:
