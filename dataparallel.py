@@ -138,8 +138,8 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
 
         train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
-    # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: a list of
-    # indices for each batch, read as one batch (one line if it draws differently each time)
+    # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: each batch
+    # read as one, a repeat in the epoch as such (one line if it draws differently each time)
     elif user_sampler is not None:
         train_sampler = samplers.DrawnShares(user_sampler, args.batch_size, 0, 1, args.seed)
         train_sampler.check_drawn_alike()

@@ -220,8 +220,8 @@ def build_loaders(
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
         # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
-        # its share of every global batch, a list of indices read as one batch (one line if its
-        # ranks would draw differently)
+        # its share of every global batch, read as one batch, a sample drawn again in the epoch as
+        # its repeat (one line if its ranks would draw differently)
         train_sampler = samplers.DrawnShares(
             user_sampler, micro_batch, rank, world_size, args.seed, args.accum_steps
         )
