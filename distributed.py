@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils.errors import UsageError
@@ -265,6 +264,7 @@ class Training:
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    count_shares: batches.CountShares  # DDP's hook: a (sum, count) loss's count over the ranks
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -295,9 +295,9 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         # all ranks' samples in this step: --batch-size, or what your batch sampler drew
         step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
-        # a (sum, count) pair over the count of all ranks (an all-reduce of the count); DDP
-        # all-reduces the gradients here, bucket by bucket
-        batches.loss_for_backward(loss, num_samples, step_samples).backward()
+        # a (sum, count) pair: this rank's mean, which DDP's hook weights by the rank's share of
+        # the count (summed meanwhile); DDP all-reduces the gradients here, bucket by bucket
+        batches.loss_for_backward(loss, num_samples, step_samples, run.count_shares).backward()
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = run.stop.agreed()
@@ -478,9 +478,11 @@ def main(teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
-    # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
-    if args.comm_hook:
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    # a loss given as (sum, count): each rank's mean weighted by its share of all ranks' count as
+    # DDP sums the gradients, the count summed while the backward runs; --comm-hook bf16: the
+    # gradients cross the network as bfloat16, half the bytes
+    count_shares = batches.CountShares(bf16=args.comm_hook == "bf16")
+    model.register_comm_hook(None, count_shares.all_reduce)
     if args.compile:
         # DDP's buckets split the compiled graph
         model = torch.compile(model, mode=args.compile_mode)
@@ -519,6 +521,7 @@ def main(teardown: ExitStack) -> None:
         watchdog=watchdog,
         recorder=recorder,
         val_metrics=val_metrics,
+        count_shares=count_shares,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"
