@@ -228,6 +228,53 @@ def torchrun(nproc: int, script: str, *args) -> list:
     ]
 
 
+def rendezvous_store(port: int) -> list:
+    """PyTorch's own TCPStore alone, as on a small always-on host: no training node holds the
+    rendezvous (docs/launching.md)."""
+    code = (
+        "import time, torch.distributed as dist\n"
+        f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+        "time.sleep(3600)\n"
+    )
+    return [PYTHON, "-c", code]
+
+
+# every elastic agent, as docs/launching.md starts them: workers' store made anew each round (else a
+# joining agent waits for the address the first round published)
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def elastic_agent(port: int, rdzv_id: str, nodes: str, restarts: int, *script_args) -> list:
+    """A node's torchrun agent, one process, elastic over nodes ("1:2") that meet at the store on
+    port, restarting its process up to restarts times."""
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        "--nproc-per-node=1",
+        f"--max-restarts={restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv_id}",
+        "--rdzv-conf=is_host=false,last_call_timeout=2",
+        "--monitor-interval=1",
+        *script_args,
+    ]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def trained_steps(out: Path) -> int:
+    """The last step steps.jsonl records trained (0 before any)."""
+    if not (out / "steps.jsonl").exists():
+        return 0
+    return max([r["global_step"] for r in steps(out) if "train_loss" in r], default=0)
+
+
 # Ports for the runs' rendezvous, 20000 to 27999: below the kernel's ephemeral range, where a port
 # found free (bind to 0) can be handed to another connection (gloo's, a neighbour's) before the run
 # binds it, and below the scripts' default 29500. Each pytest-xdist worker takes its own 1000 of

@@ -492,13 +492,25 @@ BAD_INPUTS = {
     ),
     "sync-bn on cpu": (lambda t: ["--sync-bn"], "--sync-bn needs GPUs"),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
+    # found by tests/fuzz_flags.py: PyTorch's own ValueError and KeyError, each a traceback
+    "negative momentum": (lambda t: ["--momentum", "-1"], "--lr and --momentum must be >= 0"),
+    "negative weight decay": (lambda t: ["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    "a timeout that is no number": (lambda t: ["--timeout", "nan"], "--timeout, --clip-grad"),
+    "rendezvous at an unknown url": (
+        lambda t: ["--dist-url", "bogus://x"],
+        "--dist-url bogus://x: give env://, tcp://HOST:PORT or file:///PATH",
+    ),
+    "rendezvous at env:// without its address": (
+        lambda t: ["--dist-url", "env://"],
+        "--dist-url env:// reads MASTER_ADDR and MASTER_PORT, which are not set",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_ends_with_one_clear_line(case, tmp_path):
     make_args, expected = BAD_INPUTS[case]
-    env = {"RANK": "1", "WORLD_SIZE": "2"} if case == "unreachable rendezvous" else {}
+    env = {"RANK": "1", "WORLD_SIZE": "2"} if "rendezvous" in case else {}
     args = [*TINY, "--output-dir", tmp_path / "default-out", *make_args(tmp_path)]
     result = run(python("distributed.py", *args), timeout=60, env=env, check=False)
     assert result.returncode != 0

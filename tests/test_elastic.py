@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -17,20 +16,24 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from utils import batches, ranks, streams
 from processes import (
-    PYTHON,
+    AGENT_ENV,
     TINY,
     assert_same_records,
+    elastic_agent,
     ends_every_rank_with,
     finish,
     free_port,
+    listening,
     kill_everything_started_by,
     max_weight_difference,
     metrics,
     python,
+    rendezvous_store,
     run_parallel,
     start,
     steps,
     torchrun,
+    trained_steps,
     training_processes,
     wait_for,
     warm_starts,
@@ -38,52 +41,13 @@ from processes import (
 
 # 150 steps an epoch of the tiny job, no augmentation: the same model on any number of processes
 ELASTIC = [*TINY, "--no-augment", "--fake-size", "6000", "--epochs", "2", "--print-freq", "8"]
-# every agent, as docs/launching.md starts them: workers' store made anew each round (else a joining agent waits for
-# the address the first round published)
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def store(port: int) -> list:
-    """PyTorch's own TCPStore alone, as on a small always-on host: no training node holds the rendezvous."""
-    code = (
-        "import time, torch.distributed as dist\n"
-        f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
-        "time.sleep(3600)\n"
-    )
-    return [PYTHON, "-c", code]
 
 
 def agent(port: int, out: Path, *flags) -> list:
     """A node's torchrun agent, one process, elastic between 1 and 2 nodes, meeting at the store."""
-    return [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1:2",
-        "--nproc-per-node=1",
-        "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=elastic-test",
-        "--rdzv-conf=is_host=false,last_call_timeout=2",
-        "--monitor-interval=1",
-        "distributed.py",
-        *ELASTIC,
-        *flags,
-        "--output-dir",
-        out,
-    ]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def trained_steps(out: Path) -> int:
-    if not (out / "steps.jsonl").exists():
-        return 0
-    return max([r["global_step"] for r in steps(out) if "train_loss" in r], default=0)
+    return elastic_agent(
+        port, "elastic-test", "1:2", 3, "distributed.py", *ELASTIC, *flags, "--output-dir", out
+    )
 
 
 def saved_step(out: Path) -> int:
@@ -145,7 +109,7 @@ def elastic(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProce
     base = tmp_path_factory.mktemp("elastic")
     stores = {name: free_port() for name in ("lost", "joined")}
     for port in stores.values():
-        start(store(port))
+        start(rendezvous_store(port))
     wait_for(lambda: all(listening(p) for p in stores.values()), 60, "the stores")
     with warm_starts():  # the reference: its launch is not what the tests check
         straight = start(torchrun(2, "distributed.py", *ELASTIC, "--output-dir", base / "straight"))

@@ -277,9 +277,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.workers is not None and args.workers < 0) or args.seed < 0:
         raise UsageError("--workers and --seed must be >= 0")
-    positive = (args.clip_grad, args.save_minutes, args.peak_tflops)
-    if args.timeout <= 0 or any(value is not None and value <= 0 for value in positive):
+    # not (value > 0): a NaN is refused too
+    positive = (args.timeout, args.clip_grad, args.save_minutes, args.peak_tflops)
+    if any(value is not None and not value > 0 for value in positive):
         raise UsageError("--timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0")
+    if any(value is not None and not value >= 0 for value in (args.lr, args.momentum)):
+        raise UsageError("--lr and --momentum must be >= 0")
+    if args.weight_decay is not None and not args.weight_decay >= 0:
+        raise UsageError("--weight-decay must be >= 0")
     if not 0 <= args.warmup < 1:
         raise UsageError("--warmup must be in [0, 1)")
     if args.ema is not None and not 0 <= args.ema < 1:

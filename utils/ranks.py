@@ -68,13 +68,18 @@ def rendezvous_store(
     if url.scheme == "file":
         return dist.FileStore(url.path, world_size)
     if url.scheme == "env":
+        if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+            raise UsageError(
+                "--dist-url env:// reads MASTER_ADDR and MASTER_PORT, which are not set: start"
+                " with torchrun, or give tcp://HOST:PORT"
+            )
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts the store
             agent_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
             return fresh_namespace(agent_store, rank, world_size, timeout)
         url = urlparse(f"tcp://{host}:{port}")  # Slurm, or MASTER_ADDR set by hand
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
-        raise UsageError(f"cannot use {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
+        raise UsageError(f"--dist-url {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
     # Rank 0 listens on the given address only: TCPStore alone would listen on every interface.
     listen_fd = None
     if rank == 0:
