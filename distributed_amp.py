@@ -128,6 +128,8 @@ def parse_args():
     )
     args = parser.parse_args()
     flags.check_args(args)
+    if not args.init_scale > 0:
+        parser.error("--init-scale must be > 0")
     return args
 
 

@@ -123,6 +123,10 @@ def parse_args():
     # each copy trains on its own between outer steps
     if args.inner_steps < 1:
         parser.error("--inner-steps must be at least 1")
+    if not args.outer_lr > 0:
+        parser.error("--outer-lr must be > 0")
+    if not 0 <= args.outer_momentum < 1:
+        parser.error("--outer-momentum must be in [0, 1)")
     return args
 
 

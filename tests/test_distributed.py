@@ -500,6 +500,10 @@ BAD_INPUTS = {
         lambda t: ["--dist-url", "bogus://x"],
         "--dist-url bogus://x: give env://, tcp://HOST:PORT or file:///PATH",
     ),
+    "an address of another machine": (
+        lambda t: ["--ip", "no.such.host.invalid", "--port", free_port()],
+        "--ip (or --dist-url) must be an address of this node (0)",
+    ),
     "rendezvous at env:// without its address": (
         lambda t: ["--dist-url", "env://"],
         "--dist-url env:// reads MASTER_ADDR and MASTER_PORT, which are not set",
@@ -511,6 +515,8 @@ BAD_INPUTS = {
 def test_bad_input_ends_with_one_clear_line(case, tmp_path):
     make_args, expected = BAD_INPUTS[case]
     env = {"RANK": "1", "WORLD_SIZE": "2"} if "rendezvous" in case else {}
+    if "address" in case:  # rank 0 listens on it
+        env = {"RANK": "0", "WORLD_SIZE": "2"}
     args = [*TINY, "--output-dir", tmp_path / "default-out", *make_args(tmp_path)]
     result = run(python("distributed.py", *args), timeout=60, env=env, check=False)
     assert result.returncode != 0

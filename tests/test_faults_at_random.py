@@ -9,7 +9,7 @@ import re
 import chaos
 import fuzz_flags
 import pytest
-from processes import warm_starts
+from processes import TINY, python, run, warm_starts
 
 
 @pytest.mark.real_launch  # torchrun's elastic agents, started as users start them
@@ -39,3 +39,24 @@ def test_random_flags_of_every_script_train_or_end_in_one_line_naming_a_flag(cap
     assert code == 0, out[-6000:]
     total = re.search(r"16 runs, seed 2: (\d+) trained, (\d+) refused with one line, 0 failed", out)
     assert total and int(total[1]) > 0 and int(total[2]) > 0, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "script, flags, line",
+    [
+        ("distributed_diloco.py", ["--outer-lr", "-1"], "error: --outer-lr must be > 0"),
+        (
+            "distributed_diloco.py",
+            ["--outer-momentum", "1"],
+            "error: --outer-momentum must be in [0, 1)",
+        ),
+        ("distributed_amp.py", ["--init-scale", "0"], "error: --init-scale must be > 0"),
+        ("distributed_fsdp.py", ["--init-scale", "nan"], "error: --init-scale must be > 0"),
+    ],
+)
+def test_an_approachs_own_number_out_of_range_ends_in_one_line(script, flags, line, tmp_path):
+    """Found by tests/fuzz_flags.py: DiLoCo's outer SGD raised PyTorch's ValueError for a negative --outer-lr, and a
+    scale of 0 or NaN was taken; each is refused in one line naming its flag."""
+    result = run(python(script, *TINY, *flags, "--output-dir", tmp_path), timeout=60, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr

@@ -712,15 +712,16 @@ def code_lines(path: Path) -> int:
 # (speed as the field counts it): + 2, a mid-epoch validation and a save left out of the speed
 # (meter.paused()); AMP and FSDP + 1, the optimizer's phase entered before GradScaler's step, which
 # may skip it; the DDP scripts register CountShares' hook always (--comm-hook bf16 its option), where
-# they registered bf16_compress_hook under an if: no more lines. Issue 84: FSDP + 2, a tied head saved once (model.pt, hf/, model_best.pt).
+# they registered bf16_compress_hook under an if: no more lines. Issue 83 (flags at random): AMP and FSDP + 2,
+# --init-scale refused unless > 0; DiLoCo + 4, --outer-lr and --outer-momentum refused out of range. Issue 84: FSDP + 2, a tied head saved once (model.pt, hf/, model_best.pt).
 SCRIPT_LINES = {
     "dataparallel.py": 199 + 34 + 1 + 2,
     "distributed.py": 234 + 35 + 1 + 2,
     "distributed_mp.py": 270 + 35 + 1 + 2,
-    "distributed_amp.py": 251 + 35 + 1 + 2 + 1,
+    "distributed_amp.py": 251 + 35 + 1 + 2 + 1 + 2,
     "distributed_grad_accum.py": 259 + 35 + 1 + 2,
-    "distributed_fsdp.py": 381 + 35 + 1 + 2 + 1 + 2,
-    "distributed_diloco.py": 236 + 50 + 35 + 1 + 2,
+    "distributed_fsdp.py": 381 + 35 + 1 + 2 + 1 + 2 + 2,
+    "distributed_diloco.py": 236 + 50 + 35 + 1 + 2 + 4,
 }
 
 

@@ -86,7 +86,7 @@ def rendezvous_store(
         try:
             listen_fd = socket.create_server((url.hostname, url.port)).detach()
         except OSError as e:
-            reason = f"{e.strerror}; the address must be one of this machine (node 0)"
+            reason = f"{e.strerror}; --ip (or --dist-url) must be an address of this node (0)"
             if e.errno == errno.EADDRINUSE:
                 reason = "the port is in use; choose another --port"
             where = f"tcp://{url.hostname}:{url.port}"
