@@ -180,11 +180,12 @@ def ended(run: Run) -> bool:
     return all(proc.poll() is not None for proc, _ in run.agents)
 
 
-def one_of(find, what: str, timeout: float = 60) -> int:
-    """A process find() lists now, waiting for one (a restart in progress) up to timeout."""
+def one_of(find, share: float, what: str, timeout: float = 60) -> int:
+    """The process at share (in [0, 1), drawn from the schedule) of those find() lists, in order,
+    waiting for one (a restart in progress) up to timeout."""
     found = []
-    wait_for(lambda: found.extend(find()) or found, timeout, what)
-    return found[0]
+    wait_for(lambda: found.extend(sorted(find())) or found, timeout, what)
+    return found[int(share * len(found))]
 
 
 def signal_pid(pid: int, signum: int) -> None:
@@ -194,14 +195,14 @@ def signal_pid(pid: int, signum: int) -> None:
         pass
 
 
-def inject(kind: str, run: Run, rng: random.Random, disk: Path | None) -> str:
-    """One fault; what it hit."""
+def inject(kind: str, run: Run, share: float, seconds: float, disk: Path | None) -> str:
+    """One fault; what it hit (its target at share of the candidates; a full disk for seconds)."""
     if kind == "kill_rank":
-        pid = one_of(lambda: rng.sample(run.ranks(), len(run.ranks())), "a training process")
+        pid = one_of(run.ranks, share, "a training process")
         signal_pid(pid, signal.SIGKILL)
         return f"pid {pid}"
     if kind == "replace_node":
-        proc, marker = run.agents.pop(rng.randrange(len(run.agents)))
+        proc, marker = run.agents.pop(int(share * len(run.agents)))
         kill_everything_started_by(marker)
         run.start_agent()
         return f"agent {proc.pid}"
@@ -219,14 +220,12 @@ def inject(kind: str, run: Run, rng: random.Random, disk: Path | None) -> str:
             run.start_agent()
         return f"{NODES} agents"
     if kind == "stall":
-        pid = one_of(lambda: rng.sample(run.ranks(), len(run.ranks())), "a training process")
+        pid = one_of(run.ranks, share, "a training process")
         signal_pid(pid, signal.SIGSTOP)
         threading.Timer(STALL_TIMEOUT + 3, signal_pid, (pid, signal.SIGCONT)).start()
         return f"pid {pid} for {STALL_TIMEOUT + 3} s"
     if kind == "kill_loader_worker":
-        pid = one_of(
-            lambda: rng.sample(run.loader_workers(), len(run.loader_workers())), "a worker"
-        )
+        pid = one_of(run.loader_workers, share, "a DataLoader worker")
         signal_pid(pid, signal.SIGKILL)
         return f"pid {pid}"
     if kind == "full_disk":
@@ -234,7 +233,6 @@ def inject(kind: str, run: Run, rng: random.Random, disk: Path | None) -> str:
         filler = disk / f"filler-{uuid.uuid4().hex}"
         # room for the records (a line of a few hundred bytes), none for a checkpoint (~430 KB)
         filler.write_bytes(b"\0" * max(0, stats.f_bavail * stats.f_frsize - 64 * 1024))
-        seconds = rng.uniform(2, 6)
         threading.Timer(seconds, filler.unlink).start()
         return f"for {seconds:.1f} s"
     raise ValueError(kind)
@@ -330,22 +328,23 @@ def main(argv=None) -> int:
         for _ in range(NODES):
             chaos.start_agent()
         wait_for(lambda: chaos.progress() >= 4, 300, "the first steps")
-        injected, last = [], 0
+        injected, last, recovering = [], 0, 0
         for number in range(1, args.faults + 1):
             # a third of the faults land soon after the last, while it is still being recovered
             # from; the others once the run trains past the last one's step again, a moment later
-            if rng.random() < 1 / 3:
-                time.sleep(rng.uniform(0.2, 1.5))
-            else:
-                pause = rng.uniform(0, 3)
+            # the schedule, from the seed alone: the same draws whatever the run's timing
+            soon = rng.random() < 1 / 3
+            pause = rng.uniform(0.2, 1.5) if soon else rng.uniform(0, 3)
+            kind, share, seconds = rng.choice(kinds), rng.random(), rng.uniform(2, 6)
+            if not soon:
                 wait_for(lambda: chaos.progress() > last or ended(chaos), 600, "a recovery")
-                time.sleep(pause)
+            time.sleep(pause)
             if ended(chaos):
                 print(f"the run ended after {number - 1} faults: lengthen it")
                 break
-            kind = rng.choice(kinds)
             at, step = chaos.now(), chaos.progress()
-            what = inject(kind, chaos, rng, disk)
+            what = inject(kind, chaos, share, seconds, disk)
+            recovering += soon
             injected.append((number, kind, what, at, step))
             last = step
             print(f"fault {number}: {kind} ({what}) at {at:.1f} s, step {step}", flush=True)
@@ -365,7 +364,10 @@ def main(argv=None) -> int:
         shown = "-" if seconds is None else f"{seconds:.1f}"
         print(f"| {number} | {kind} | {what} | {at:.1f} | {step} | {again} | {shown} |")
     kinds_seen = sorted({kind for _, kind, *_ in injected})
-    print(f"\n{len(injected)} faults ({', '.join(kinds_seen)}), seed {args.seed}")
+    print(
+        f"\n{len(injected)} faults ({', '.join(kinds_seen)}), {recovering} of them while the last"
+        f" was recovered from, seed {args.seed}"
+    )
     if not failed:
         difference = max_weight_difference(out, straight)
         try:

@@ -16,17 +16,17 @@ from processes import TINY, python, run, warm_starts
 def test_a_schedule_of_faults_of_different_kinds_ends_with_the_straight_runs_weights_and_records(
     capsys,
 ):
-    """Three faults from seed 3, drawn from killing a rank, replacing a node and preempting every agent, some landing
-    while the last is recovered from: every one survived, weights within 1e-5 and records within 1e-6 of the straight
-    run's, each step once."""
+    """Seed 22's three faults: a rank killed, a node replaced, and every agent preempted while the run recovers from
+    the node's loss: each survived, weights within 1e-5 and records within 1e-6 of the straight run's, each step once."""
     with warm_starts():  # the straight run's launch is not what is checked; the agents are real
         code = chaos.main(
-            ["--faults", "3", "--seed", "3", "--only", "kill_rank,replace_node,preempt"]
+            ["--faults", "3", "--seed", "22", "--only", "kill_rank,replace_node,preempt"]
         )
     out = capsys.readouterr().out
     assert code == 0, out[-6000:]
     faults = re.findall(r"^fault \d+: (\w+)", out, re.M)
-    assert len(faults) == 3 and len(set(faults)) >= 2, out
+    assert faults == ["kill_rank", "replace_node", "preempt"], out
+    assert "1 of them while the last was recovered from" in out, out
     assert "every fault survived" in out
     assert float(re.search(r"max weight difference to the straight run: (\S+)", out)[1]) <= 1e-5
 
