@@ -299,11 +299,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rng = random.Random(args.seed)
     base = Path(args.keep or tempfile.mkdtemp(prefix="chaos-"))
     base.mkdir(parents=True, exist_ok=True)
     (base / "logs").mkdir()
     disk = small_disk(base)
+    try:
+        code = schedule(args, base, disk)
+    finally:
+        if disk is not None:
+            subprocess.run(["umount", "-l", disk], capture_output=True, timeout=30)
+    if code == 0 and args.keep is None:
+        shutil.rmtree(base, ignore_errors=True)
+    return code
+
+
+def schedule(args: argparse.Namespace, base: Path, disk: Path | None) -> int:
+    """The run through the schedule's faults, the straight run beside it, and their comparison."""
+    rng = random.Random(args.seed)
     kinds = list(args.only)
     if disk is None and "full_disk" in kinds:
         kinds.remove("full_disk")
@@ -382,8 +394,6 @@ def main(argv=None) -> int:
         print(f"max weight difference to the straight run: {difference:.1e}")
         if difference > 1e-5:
             failed = failed or f"weights differ from the straight run's by {difference:.1e}"
-    if disk is not None:
-        subprocess.run(["umount", "-l", disk], capture_output=True, timeout=30)
     if failed:
         print(
             f"FAILED: {failed}\nreplay: python tests/chaos.py --faults {args.faults} --seed "
@@ -391,8 +401,6 @@ def main(argv=None) -> int:
         )
         return 1
     print("every fault survived: the straight run's weights and records, each step once")
-    if args.keep is None:
-        shutil.rmtree(base, ignore_errors=True)
     return 0
 
 

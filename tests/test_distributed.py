@@ -496,6 +496,10 @@ BAD_INPUTS = {
     "negative momentum": (lambda t: ["--momentum", "-1"], "--lr and --momentum must be >= 0"),
     "negative weight decay": (lambda t: ["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     "a timeout that is no number": (lambda t: ["--timeout", "nan"], "--timeout, --clip-grad"),
+    "a port out of range": (
+        lambda t: ["--port", "70000"],
+        "--port 70000 is not a port: give 1 to 65535",
+    ),
     "rendezvous at an unknown url": (
         lambda t: ["--dist-url", "bogus://x"],
         "--dist-url bogus://x: give env://, tcp://HOST:PORT or file:///PATH",

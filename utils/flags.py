@@ -285,6 +285,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--lr and --momentum must be >= 0")
     if args.weight_decay is not None and not args.weight_decay >= 0:
         raise UsageError("--weight-decay must be >= 0")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a port: give 1 to 65535")
     if not 0 <= args.warmup < 1:
         raise UsageError("--warmup must be in [0, 1)")
     if args.ema is not None and not 0 <= args.ema < 1:
