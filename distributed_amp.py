@@ -282,6 +282,7 @@ class Training:
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     count_shares: batches.CountShares  # DDP's hook: a (sum, count) loss's count over the ranks
 
 
@@ -367,6 +368,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             with meter.paused():  # its time left out of the speed too
                 save_checkpoint(run, epoch, step)
         if signum:
+            with ranks.errors_shared_by_all_ranks():
+                run.saves.wait()  # the stop's checkpoint whole before the process ends
             raise errors.Stopped(signum, epoch, step, steps)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed; the
     # skipped steps read back from the device once an epoch
@@ -446,11 +449,11 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "world_size": dist.get_world_size(),  # what continues says so
             }
             output_dir = Path(args.output_dir)
-            checkpoints.save_checkpoint(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
+            run.saves.save(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
             if args.ema:  # and the average alone, with plain keys
                 with run.ema.swapped():
                     state = ranks.unwrap(model).state_dict()
-                    checkpoints.save_checkpoint(state, output_dir / "model_ema.pt", run.watchdog)
+                    run.saves.save(state, output_dir / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
@@ -461,7 +464,7 @@ def save_best(run: Training) -> None:
             with run.ema.swapped_for(run.args.keep_best):
                 state = ranks.unwrap(run.model).state_dict()
                 path = Path(run.args.output_dir) / "model_best.pt"
-                checkpoints.save_checkpoint(state, path, run.watchdog)
+                run.saves.save(state, path, run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -478,6 +481,10 @@ def main(teardown: ExitStack) -> None:
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # rank 0's checkpoints written by a thread while training goes on: a failed write ends
+    # every rank at the next step; the run ends once they are written
+    saves = teardown.enter_context(checkpoints.Saves())
+    stop.watch(saves)
     # each rank's part of every global batch: equal, or within one sample of the others'
     split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
     batch_per_rank = ranks.share(args.batch_size, rank, world_size)
@@ -569,6 +576,7 @@ def main(teardown: ExitStack) -> None:
         watchdog=watchdog,
         recorder=recorder,
         val_metrics=val_metrics,
+        saves=saves,
         count_shares=count_shares,
     )
 
@@ -616,6 +624,7 @@ def main(teardown: ExitStack) -> None:
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
     with ranks.errors_shared_by_all_ranks():
         if rank == 0:
+            saves.wait()  # the last checkpoint written whole
             checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from processes import (
+    EVAL_EVERY,
     LONG,
     TINY,
     assert_same_records,
@@ -29,9 +30,11 @@ from processes import (
     start,
     steps,
     torchrun,
+    trained_steps,
     wait_for,
     warm_starts,
 )
+from test_your_own_data import copy_with_your_functions
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -302,3 +305,68 @@ def test_models_with_auxiliary_outputs_train(tmp_path):
         timeout=120,
     )
     assert metrics(tmp_path)[-1]["val_images"] == 12
+
+
+# A slow disk: each checkpoint's write takes WRITE_SECONDS longer, in the thread that writes it, its temporary file on
+# disk meanwhile.
+SLOW_WRITES = """
+import threading as _threading
+import time as _time
+
+_real_save = torch.save
+
+
+def _slow_save(obj, f, *args, **kwargs):
+    _real_save(obj, f, *args, **kwargs)
+    if _threading.current_thread() is not _threading.main_thread():
+        _time.sleep(float(os.environ.get("WRITE_SECONDS", "0")))
+
+
+torch.save = _slow_save
+
+
+"""
+
+
+def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_exactly(
+    tmp_path, reference
+):
+    """A checkpoint every 4 steps on a disk that takes 1.5 s a write: rank 0 trains on while the second is written
+    (steps recorded past the save's step, its temporary file on disk), and every process is SIGKILLed then. The same
+    command continues from the first, whole (step 4), to the straight run's weights (1e-6), each step's record
+    once."""
+    script = copy_with_your_functions("distributed.py", tmp_path / "copy", None)
+    text = script.read_text()
+    script.write_text(
+        text.replace('if __name__ == "__main__":', SLOW_WRITES + 'if __name__ == "__main__":')
+    )
+    out = tmp_path / "out"
+    args = [
+        *TINY,
+        "--no-augment",
+        *EVAL_EVERY,
+        "--save-every",
+        "4",
+        "--print-freq",
+        "1",
+        "--output-dir",
+        out,
+    ]
+    proc, marker = start(torchrun(2, script, *args), {"WRITE_SECONDS": "1.5"})
+    writing = lambda: list(out.glob(".checkpoint.pt.tmp*"))  # noqa: E731
+    # a whole checkpoint on disk, and the next one being written
+    wait_for(
+        lambda: (out / "checkpoint.pt").exists() and writing(),
+        120,
+        "a second checkpoint being written",
+    )
+    begun = trained_steps(out)
+    # training goes on while the same write is in flight
+    wait_for(lambda: trained_steps(out) >= begun + 2, 60, "steps past the save")
+    assert writing(), "the write ended before the steps: no overlap seen"
+    proc.kill()
+    finish(proc, marker, timeout=60)
+    continued = run(torchrun(2, script, *args))
+    assert "0 of 3 epochs done and 4 steps of the next" in continued.stdout, continued.stdout
+    assert max_weight_difference(out, reference["two"]) <= 1e-6
+    assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))

@@ -78,6 +78,8 @@ class Watchdog(contextlib.AbstractContextManager):
         self.saving: Path | None = None
         self.growing: Path | None = None
         self.saved_bytes = 0
+        self.saving_thread = self.main_thread
+        self.saving_position = ""
         # This rank's last progress, and any rank's as far as this one knows.
         self.moved_at = time.monotonic()
         self.anyone_moved_at = self.moved_at
@@ -115,13 +117,22 @@ class Watchdog(contextlib.AbstractContextManager):
         self.saving = Path(path)
         self.growing = Path(growing or path)
         self.saved_bytes = 0
-        self.validating = False
+        # written by a thread of its own (checkpoints.Saves) while training goes on: that thread's
+        # line is the one to name, and the step the save was taken at (save_taken)
+        self.saving_thread = threading.get_ident()
+        if self.saving_thread == self.main_thread:
+            self.save_taken()
         self.note_progress()
         try:
             yield
         finally:
             self.saving = None
             self.note_progress()
+
+    def save_taken(self) -> None:
+        """A save's state was taken here, in the main thread: the step its stall names."""
+        self.validating = False
+        self.saving_position = self.position()
 
     def note_progress(self) -> None:
         """This rank moved: a batch, a compile, a save's bytes."""
@@ -216,7 +227,7 @@ class Watchdog(contextlib.AbstractContextManager):
                 "rank": self.rank,
                 "seconds": round(time.monotonic() - self.moved_at),
                 "collectives": collectives_started(),
-                "position": self.position(),
+                "position": self.saving_position if self.saving is not None else self.position(),
                 "where": where(frames),
                 "saving": str(self.saving) if self.saving is not None else None,
             }
@@ -270,7 +281,8 @@ class Watchdog(contextlib.AbstractContextManager):
 
     def write_stacks(self) -> list[traceback.FrameSummary]:
         """Every thread's and DataLoader worker's stack to stalls/rankR.txt; the frames to name."""
-        main_frame = sys._current_frames().get(self.main_thread)
+        named = self.saving_thread if self.saving is not None else self.main_thread
+        main_frame = sys._current_frames().get(named)
         frames = traceback.extract_stack(main_frame) if main_frame else []
         names = {thread.ident: thread.name for thread in threading.enumerate()}
         lines = []

@@ -1,6 +1,7 @@
 """The step every rank stops after: a signal (SIGTERM, SIGUSR1) on any rank, a stream that ended on
 one, or a batch one rank could not read; and the steps every rank saves after, every so many
-minutes. One small all-reduce a step, started as the step begins and awaited after its backward.
+minutes; a checkpoint that failed to be written in the background ends every rank. One small
+all-reduce a step, started as the step begins and awaited after its backward.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UsageError
-from .ranks import all_gather_objects
+from .ranks import all_gather_objects, errors_shared_by_all_ranks
 
 
 class StopSignal:
@@ -23,10 +24,12 @@ class StopSignal:
     def __init__(self, save_minutes: float | None = None):
         self.signal = 0
         self.work = None
-        # The step's flags (signal, lacking a batch, save timer), all-reduced in place to what every
-        # rank agreed on: one tensor, made once, each step's numbers written and read through its
-        # NumPy view (a torch.tensor of a list each step cost about 25 us of the step's CPU time).
-        self.flags = torch.zeros(3, dtype=torch.long)
+        # The step's flags (signal, lacking a batch, save timer, a failed write), all-reduced in
+        # place to what every rank agreed on: one tensor, made once, each step's numbers written
+        # and read through its NumPy view (a torch.tensor of a list each step cost about 25 us of
+        # the step's CPU time).
+        self.flags = torch.zeros(4, dtype=torch.long)
+        self.saves = None
         self.values = self.flags.numpy()
         self.save_seconds = (save_minutes or 0) * 60
         self.saved_at = time.monotonic()
@@ -39,6 +42,11 @@ class StopSignal:
         if not self.alone and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")
 
+    def watch(self, saves) -> None:
+        """A write of rank 0's that failed in the background (checkpoints.Saves) ends every rank
+        with its line at the next step."""
+        self.saves = saves
+
     def note(self, signum: int, frame) -> None:
         self.signal = signum
 
@@ -49,6 +57,10 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        # A checkpoint rank 0 was writing failed (a full disk): every rank ends with its line.
+        if self.values[3]:
+            with errors_shared_by_all_ranks():
+                self.saves.wait()
         return int(self.values[0]), bool(self.values[1])
 
     def save_timer_fired(self) -> bool:
@@ -77,7 +89,8 @@ class StopSignal:
             lacking = 2 if error else int(ahead is None)
             due = self.save_seconds > 0 and time.monotonic() - self.saved_at >= self.save_seconds
             # the last step's all-reduce is done: agreed() waited for it
-            self.values[:] = [self.signal, lacking, int(due)]
+            failed = self.saves is not None and self.saves.failed()
+            self.values[:] = [self.signal, lacking, int(due), int(failed)]
             if not self.alone:
                 self.work = dist.all_reduce(self.flags, dist.ReduceOp.MAX, self.group, True)
             if step > first_step:
