@@ -302,8 +302,9 @@ def evaluate(run: Training) -> dict:
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
-    """What continues the run exactly: epochs done, and steps done in the next. A full disk, or
-    weights that are no longer finite, end the run."""
+    """What continues the run exactly: epochs done, and steps done in the next, written while
+    training goes on. Weights that are no longer finite end the run; a full disk at the next
+    step."""
     args, model = run.args, run.model
     progress = run.recorder.all_ranks_state_dict()  # the epoch's sums
     with ranks.errors_shared_by_all_ranks():

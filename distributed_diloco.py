@@ -495,7 +495,8 @@ def evaluate(run: Training) -> dict:
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     """What continues the run exactly: epochs done, and steps done in the next. Every rank calls
-    it; rank 0 writes. A full disk, or weights that are no longer finite, end every rank."""
+    it; rank 0 writes, while training goes on. Weights that are no longer finite end every rank;
+    a full disk at the next step."""
     args, model, diloco = run.args, run.model, run.diloco
     # all-reduce, every rank: the epoch's sums over all ranks, which the next record and epoch need
     progress = run.recorder.all_ranks_state_dict()
@@ -537,7 +538,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
 
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), plain keys.
-    Every rank calls it; rank 0 writes."""
+    Every rank calls it; rank 0 writes, while training goes on."""
     with ranks.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             with run.ema.swapped_for(run.args.keep_best):
