@@ -114,18 +114,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(max(len(os.sched_getaffinity(0)), 2), 4)
 
 
-# the files whose first test marked alone has run on this worker
-ALONE_DONE: set[Path] = set()
+# the test functions marked alone whose first case has run on this worker
+ALONE_DONE: set[tuple[Path, str]] = set()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, the first test of a file marked alone (a bound on seconds that held with
-    nothing beside it; the file's module fixtures, which time the runs, are made for it) runs while
-    no other worker runs a test; the others run side by side."""
-    alone = item.get_closest_marker("alone") is not None and item.path not in ALONE_DONE
+    """Under pytest-xdist, the first case of a test function marked alone (a bound on seconds that
+    held with nothing beside it; the module fixtures it asks for first, which time the runs, are
+    made for it) runs while no other worker runs a test; the others run side by side."""
+    function = (item.path, item.originalname)
+    alone = item.get_closest_marker("alone") is not None and function not in ALONE_DONE
     if alone:
-        ALONE_DONE.add(item.path)
+        ALONE_DONE.add(function)
     with turn(alone):
         yield
     if nextitem is None or nextitem.path != item.path:

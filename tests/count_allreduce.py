@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
-from utils import errors, metrics, optimizers, profiles, scores, stalls, stops  # noqa: E402
+from utils import checkpoints, errors, metrics, optimizers, profiles, scores, stalls, stops  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -55,6 +55,7 @@ def main(teardown):
             profiles.StepPhases(device),
         ),
         val_metrics=scores.UserMetrics({}, device),
+        saves=teardown.enter_context(checkpoints.Saves()),
     )
     script.train_one_epoch(run, 0, 0)
     if rank == 0:

@@ -32,12 +32,12 @@ def test_a_schedule_of_faults_of_different_kinds_ends_with_the_straight_runs_wei
 
 
 def test_random_flags_of_every_script_train_or_end_in_one_line_naming_a_flag(capsys):
-    """Sixteen runs of random flags (seed 2) over the seven scripts: none gives a traceback, a hang or a leftover
+    """Twelve runs of random flags (seed 2) over the seven scripts: none gives a traceback, a hang or a leftover
     process; some train and some are refused."""
-    code = fuzz_flags.main(["--runs", "16", "--seed", "2"])
+    code = fuzz_flags.main(["--runs", "12", "--seed", "2"])
     out = capsys.readouterr().out
     assert code == 0, out[-6000:]
-    total = re.search(r"16 runs, seed 2: (\d+) trained, (\d+) refused with one line, 0 failed", out)
+    total = re.search(r"12 runs, seed 2: (\d+) trained, (\d+) refused with one line, 0 failed", out)
     assert total and int(total[1]) > 0 and int(total[2]) > 0, out[-3000:]
 
 

@@ -224,6 +224,7 @@ def slow_runs(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.alone  # its runs, made for its first case: a neighbour's load (CI) once hid rank 1's 30 ms in its step
 @pytest.mark.parametrize("where", SLOW)
 def test_a_slow_rank_is_named_with_its_phase_in_each_record_and_the_epochs_line(where, slow_runs):
     """Rank 1 paused 30 ms a step in its data, forward, backward or optimizer step: each record and the epoch's line
