@@ -35,6 +35,7 @@ from processes import (
     warm_starts,
 )
 from test_your_own_data import copy_with_your_functions
+from utils import checkpoints
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -370,3 +371,28 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
     assert "0 of 3 epochs done and 4 steps of the next" in continued.stdout, continued.stdout
     assert max_weight_difference(out, reference["two"]) <= 1e-6
     assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
+
+
+def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and_says_a_failed_write(
+    tmp_path,
+):
+    """Saves: the state as it was when saved, though training changes it before the write; a tensor under two
+    keys (a tied head) saved as one; the same file saved again into its kept copies; a failed write told by
+    failed() and raised by wait(), naming the file."""
+    weights = torch.randn(5, 3)
+    then = weights.clone()
+    state = {"head": weights, "embedding": weights, "step": torch.tensor(3), "name": "x"}
+    with checkpoints.Saves() as saves:
+        saves.save(state, tmp_path / "a.pt")
+        weights.add_(1)  # the next step
+        saves.wait()
+        written = torch.load(tmp_path / "a.pt", weights_only=True)
+        assert torch.equal(written["head"], then) and written["name"] == "x"
+        assert written["head"].data_ptr() == written["embedding"].data_ptr()
+        saves.save(state, tmp_path / "a.pt")
+        saves.wait()
+        assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["embedding"], weights)
+        saves.save(state, tmp_path / "no-such-folder" / "b.pt")
+        wait_for(saves.failed, 30, "the failed write")
+        with pytest.raises(OSError, match="b.pt"):
+            saves.wait()
