@@ -5,6 +5,7 @@ line and loses nothing; a model that cannot take the images says what to change 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -334,8 +335,7 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
 ):
     """A checkpoint every 4 steps on a disk that takes 1.5 s a write: rank 0 trains on while the second is written
     (steps recorded past the save's step, its temporary file on disk), and every process is SIGKILLed then. The same
-    command continues from the first, whole (step 4), to the straight run's weights (1e-6), each step's record
-    once."""
+    command continues from a whole checkpoint to the straight run's weights (1e-6), each step's record once."""
     script = copy_with_your_functions("distributed.py", tmp_path / "copy", None)
     text = script.read_text()
     script.write_text(
@@ -368,7 +368,9 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
     proc.kill()
     finish(proc, marker, timeout=60)
     continued = run(torchrun(2, script, *args))
-    assert "0 of 3 epochs done and 4 steps of the next" in continued.stdout, continued.stdout
+    # from a whole checkpoint: the first, or (a loaded machine, the kill after that write ended) a later one
+    done = re.search(r"0 of 3 epochs done and (\d+) steps of the next", continued.stdout)
+    assert done and int(done[1]) % 4 == 0 and int(done[1]) > 0, continued.stdout
     assert max_weight_difference(out, reference["two"]) <= 1e-6
     assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
 
