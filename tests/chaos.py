@@ -139,16 +139,17 @@ class Run:
             "--output-dir",
             self.out,
         )
-        log = open(self.logs / f"agent-{len(list(self.logs.iterdir()))}.log", "w")
-        proc = subprocess.Popen(
-            [str(c) for c in command],
-            cwd=ROOT,
-            env={**os.environ, **AGENT_ENV, "PYTHONUNBUFFERED": "1", MARKER: marker},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        # the agent writes into its own copy of the file: this one is closed at once
+        with open(self.logs / f"agent-{len(list(self.logs.iterdir()))}.log", "w") as log:
+            proc = subprocess.Popen(
+                [str(c) for c in command],
+                cwd=ROOT,
+                env={**os.environ, **AGENT_ENV, "PYTHONUNBUFFERED": "1", MARKER: marker},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.agents.append((proc, marker))
 
     def ranks(self) -> list[int]:
@@ -183,8 +184,13 @@ def ended(run: Run) -> bool:
 def one_of(find, share: float, what: str, timeout: float = 60) -> int:
     """The process at share (in [0, 1), drawn from the schedule) of those find() lists, in order,
     waiting for one (a restart in progress) up to timeout."""
-    found = []
-    wait_for(lambda: found.extend(sorted(find())) or found, timeout, what)
+    found: list[int] = []
+
+    def listed() -> bool:
+        found[:] = sorted(find())
+        return bool(found)
+
+    wait_for(listed, timeout, what)
     return found[int(share * len(found))]
 
 
@@ -292,7 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.only = args.only.split(",")
-    if unknown := set(args.only) - set(FAULTS):
+    unknown = set(args.only) - set(FAULTS)
+    if unknown:
         parser.error(f"unknown faults {sorted(unknown)}; known: {FAULTS}")
     return args
 

@@ -159,7 +159,10 @@ def draw(rng: random.Random, script: str) -> tuple[dict, int, list[str]]:
             flags[name] = SWITCH
             continue
         valid, invalid = VALUES[name]
-        pool = invalid if invalid and (not valid or rng.random() < 0.25) else valid
+        # an invalid value one time in four: always where the flag has no valid one here
+        pool = valid
+        if invalid and (not valid or rng.random() < 0.25):
+            pool = invalid
         flags[name] = rng.choice(pool)
     return flags, rng.choice([1, 2, 2, 3]), drawn
 
@@ -198,7 +201,8 @@ def verdict(result, given: set[str], leftover: list[int]) -> tuple[str, str]:
     """("trained" | "refused" | "failed", why)."""
     if leftover:
         return "failed", f"processes left running: {leftover}"
-    if traces := tracebacks(result.stderr):
+    traces = tracebacks(result.stderr)
+    if traces:
         return "failed", f"a traceback: {traces[0]}"
     if result.returncode == 0:
         return "trained", ""
@@ -215,7 +219,7 @@ def one_run(script: str, flags: dict, nproc: int, folder: Path) -> tuple[str, st
     cmd = command(script, flags, nproc, folder)
     env = {**OFFLINE, "OMP_NUM_THREADS": "1"}
     proc, marker = start(cmd, env)
-    given = set(flags) | {name.replace("-", "_") for name in flags}
+    given = set(flags)
     deadline = time.monotonic() + RUN_SECONDS
     try:
         while proc.poll() is None and time.monotonic() < deadline:

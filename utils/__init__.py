@@ -17,7 +17,7 @@ own utils). In the order a reader of distributed.py meets them:
 - batches: any batch of any task: counted, moved to the device, forwarded, its loss;
 - checks: one line before training for what would fail (the start-up step);
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
-- stops: the step every rank stops after (a signal, a stream that ended);
+- stops: the step every rank stops after (a signal, a stream that ended, a failed write);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
   validation so far (--keep-best);
 - scores: a project's own validation metrics (build_metrics, torchmetrics') over every
@@ -26,7 +26,8 @@ own utils). In the order a reader of distributed.py meets them:
 - profiles: where a step's time goes: its phases on every rank, the slow rank named, and
   --profile A:B, torch.profiler over those steps, a trace a rank;
 - sinks: TensorBoard and Weights & Biases, fed the same records;
-- checkpoints: files written whole, checkpoints read by rank 0 and sent to all, restore;
+- checkpoints: files written whole (in the background: Saves), checkpoints read by rank 0 and
+  sent to all, restore;
 - internals: every private name of PyTorch the folder reaches, in one place;
 - builtin: the demo data and models (--dataset, --arch), which a user's own functions replace;
 - images: an image folder with torchvision's recipe, each JPEG decoded no larger than its crop.

@@ -1,6 +1,7 @@
 """Any batch of any task: counted as the samples collate received (Counted), moved to the device
-(batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward);
-an epoch's loader (epoch_loader, steps_per_epoch, first_samples).
+(batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward;
+a token count summed over the ranks during DDP's backward, CountShares); an epoch's loader
+(epoch_loader, steps_per_epoch, first_samples).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class CountShares:
         """A mean loss this step: the ranks' gradients averaged."""
         self.counts = self.weight = None
 
-    def bucket_weight(self):
+    def bucket_weight(self) -> torch.Tensor | float:
         """This rank's weight in the sum: its share of the count (the first bucket waits for the
         sum), or 1 / world size."""
         if self.counts is None:
