@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 from contextlib import ExitStack
@@ -369,14 +370,8 @@ def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -
     # what the host has available (on rank 0's node also the model rank 0 built, freed once
     # sharded), shared
     else:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        meminfo = (
-            Path("/proc/meminfo").read_text()
-            if Path("/proc/meminfo").exists()
-            else "MemAvailable: 0"
-        )
-        available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024 / 1e9 or float("inf")
-        free = (available + whole * (dist.get_rank() < local_ranks)) / local_ranks
+        available = ranks.host_memory_available() / 1e9
+        free = (available + whole * (dist.get_rank() < ranks.local_ranks())) / ranks.local_ranks()
     line = (
         f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
         f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
@@ -443,6 +438,8 @@ class Training:
     device: torch.device
     stop: stops.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    saves: checkpoints.Saves  # every rank's shards, written while training goes on
+    save_group: dist.ProcessGroup  # the sharded save's collectives, run by the writing thread
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
 
@@ -523,6 +520,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             with meter.paused():  # its time left out of the speed too
                 save_checkpoint(run, epoch, step, final=bool(signum))
         if signum:
+            with ranks.errors_shared_by_all_ranks():
+                run.saves.wait()  # the stop's checkpoint whole before the process ends
             raise errors.Stopped(signum, epoch, step, steps)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
     return meter.epoch_record()
@@ -580,27 +579,24 @@ def evaluate(run: Training) -> dict:
     return {**record, **run.val_metrics.compute()}
 
 
-def save_sharded(state: dict, directory: Path, rank: int, watchdog) -> None:
-    """Every rank writes its shards into a new directory at once; rank 0 then puts it in place of
-    the last one, so that a kill mid-write leaves the last whole (load_sharded falls back to it)."""
+def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGroup) -> None:
+    """Every rank writes its shards into a new directory at once (collectives over group); rank 0
+    then puts it in place of the last one, so that a kill mid-write leaves the last whole
+    (load_sharded falls back to it). Run by every rank's writing thread (checkpoints.Saves)."""
     new, old = (
         directory.with_name(directory.name + ".new"),
         directory.with_name(directory.name + ".old"),
     )
     try:
         with watchdog.writing(directory, new):  # progress while the shard files grow
-            dcp.save(state, checkpoint_id=new)
-        # it copied GPU shards through pinned host memory, which CUDA keeps cached:
-        if torch.cuda.is_available():
-            # give it back (2.6 GiB for GPT-2 small's 1.4 GiB of weights and AdamW)
-            internals.free_cached_host_memory()
+            dcp.save(state, checkpoint_id=new, process_group=group)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         # a failed write() names no file: name the directory
         error = next(error for error, _ in e.failures.values())
         if isinstance(error, OSError) and error.errno:
             raise OSError(error.errno, error.strerror, str(new)) from None
         raise write_error(new) from None
-    if rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             os.replace(directory, old)
@@ -651,7 +647,8 @@ def load_sharded(
             f"{path} is not readable or does not fit this model or these flags"
             f" ({errors.first_line(e)}): use another --output-dir"
         ) from None
-    set_model_state_dict(model, state["model"])
+    # a tied parameter was saved once: its other names too
+    set_model_state_dict(model, checkpoints.tied_once(state["model"], model))
     if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
@@ -665,7 +662,8 @@ def training_state(run: Training) -> dict:
         {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
     )
     return {
-        "model": get_model_state_dict(module),
+        # a tied head once
+        "model": checkpoints.without_ties(get_model_state_dict(module), module),
         **optimizer_state,
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
@@ -682,9 +680,10 @@ def training_state(run: Training) -> dict:
 
 
 def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -> None:
-    """Epochs done, and steps done in the next: every rank writes its own shards (a collective).
-    Final: the whole weights too, gathered on rank 0 (model.pt, hf/, model_ema.pt). A full disk, or
-    weights that are no longer finite, end every rank."""
+    """Epochs done, and steps done in the next: every rank's shards, copied to host memory and
+    written while training goes on (collectives in the writing thread). Final: the whole weights
+    too, gathered on rank 0 (model.pt, hf/, model_ema.pt). A full disk, or weights that are no
+    longer finite, end every rank."""
     args, module, watchdog = run.args, ranks.unwrap(run.model), run.watchdog
     rank, output_dir = dist.get_rank(), Path(args.output_dir)
     # agreed before the sharded save, a collective, begins: never NaN over the last good checkpoint
@@ -692,17 +691,14 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
         checks.check_finite(run.model, epoch, step, None, args)  # each rank its own shards
     with ranks.errors_shared_by_all_ranks():
         state = {**training_state(run), "epoch": epoch, "step": step}
-        save_sharded(state, output_dir / "checkpoint", rank, watchdog)
+        write = functools.partial(save_sharded, group=run.save_group)
+        run.saves.save(state, output_dir / "checkpoint", watchdog, write)
     # --ema: the average's twin
     for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
-        # the whole weights, gathered once, with plain keys: for one process, inference or
-        # distributed.py written while swapped in: one process's "gathered" weights are the
-        # model's own tensors
+        # for one process, inference or distributed.py, written while swapped in
+        # (one process's gathered weights are the model's own tensors)
         with run.ema.swapped() if name == "model_ema" else contextlib.nullcontext():
-            weights = get_model_state_dict(
-                module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            weights = checkpoints.tied_once(weights, module)  # a tied head saved once
+            weights = gather_weights(module)
             with ranks.errors_shared_by_all_ranks():
                 if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
                     checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
@@ -711,19 +707,29 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
         del weights  # before the twin's: one whole copy at a time
 
 
+def gather_weights(module: nn.Module) -> dict:
+    """The whole weights on rank 0's CPU with plain keys (the others: none), each shard all-gathered
+    once: a tied head with its embeddings, its keys one tensor again. Every rank calls it."""
+    whole = {}
+    sharded = checkpoints.without_ties(get_model_state_dict(module), module)
+    for key, value in sharded.items():
+        if hasattr(value, "full_tensor"):  # all-gather, every rank: a parameter's shards
+            value = value.full_tensor()
+        if dist.get_rank() == 0:
+            whole[key] = value.cpu()
+    return checkpoints.tied_once(whole, module)
+
+
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), gathered whole
-    with plain keys. Every rank calls it (the gather); rank 0 writes."""
+    with plain keys. Every rank calls it (the gather); rank 0 writes, while training goes on."""
     with run.ema.swapped_for(run.args.keep_best):
-        weights = get_model_state_dict(
-            ranks.unwrap(run.model),
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-        )
-    weights = checkpoints.tied_once(weights, ranks.unwrap(run.model))
-    with ranks.errors_shared_by_all_ranks():
-        if dist.get_rank() == 0:
-            path = Path(run.args.output_dir) / "model_best.pt"
-            checkpoints.save_checkpoint(weights, path, run.watchdog)
+        weights = gather_weights(ranks.unwrap(run.model))
+        # copied before the swap back (one process's gathered weights are the model's own)
+        with ranks.errors_shared_by_all_ranks():
+            if dist.get_rank() == 0:
+                path = Path(run.args.output_dir) / "model_best.pt"
+                run.saves.save(weights, path, run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -743,6 +749,12 @@ def main(teardown: ExitStack) -> None:
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # every rank's shards written by a thread while training goes on, its collectives over a
+    # group of their own (the CPU's): a failed write ends every rank at the next step; the run
+    # ends once they are written
+    saves = teardown.enter_context(checkpoints.Saves())
+    save_group = dist.new_group(backend="gloo")
+    stop.watch(saves)
     # each rank's part of every global batch: equal, or within one sample of the others'
     split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
     batch_per_rank = ranks.share(args.batch_size, rank, world_size)
@@ -852,6 +864,8 @@ def main(teardown: ExitStack) -> None:
         device=device,
         stop=stop,
         watchdog=watchdog,
+        saves=saves,
+        save_group=save_group,
         recorder=recorder,
         val_metrics=val_metrics,
     )
@@ -892,6 +906,8 @@ def main(teardown: ExitStack) -> None:
             if rank == 0:
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0, final=epoch + 1 == last_epoch)
+    with ranks.errors_shared_by_all_ranks():
+        saves.wait()  # the last checkpoint written whole
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 

@@ -231,10 +231,11 @@ def main() -> None:
                         **threads,
                     },
                 )
+                # what each rank will hold, and a save written with the loop waiting (no room to copy it)
                 said.update(
                     line
                     for line in result.stdout.splitlines()
-                    if line.startswith("each rank will hold")
+                    if line.startswith("each rank will hold") or "before training goes on" in line
                 )
             m = metrics(Path(tmp) / "out")[0]
             state = (m["params_mb"] + m["grads_mb"] + m["optimizer_mb"]) / 1024

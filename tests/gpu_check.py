@@ -175,6 +175,17 @@ def fully_sharded(tmp: Path) -> None:
         same and d <= 1e-4,
         f"max difference {d:.2e}",
     )
+    # the sharded checkpoint written in the background (shards copied to pinned host memory, dcp.save in a thread
+    # over a gloo group beside nccl), read back by the same command
+    continued = ["--stop-after", "1", "--output-dir", tmp / "fsdp-continued"]
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, *continued))
+    run(torchrun(1, "distributed_fsdp.py", *EXACT, *continued[2:]))
+    d = max_weight_difference(tmp / "fsdp-continued", tmp / "fsdp")
+    check(
+        "FSDP continued from its background-written checkpoint == straight",
+        d <= 1e-6,
+        f"max weight difference {d:.2e}",
+    )
     run(
         torchrun(
             1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from processes import run_parallel, weights
@@ -99,6 +100,9 @@ def test_a_hugging_face_model_comes_out_for_from_pretrained(script, trained):
     assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     with safe_open(out / "hf" / "model.safetensors", "pt") as f:
         assert "transformer.wte.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    if script == "distributed_fsdp.py":  # and in the sharded checkpoint
+        saved = dcp.FileSystemReader(out / "checkpoint").read_metadata().state_dict_metadata
+        assert "model.transformer.wte.weight" in saved and "model.lm_head.weight" not in saved
 
 
 @pytest.mark.parametrize("script", ["distributed.py", "distributed_fsdp.py"])

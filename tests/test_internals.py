@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from utils import checks, internals, stalls
 from processes import ROOT
@@ -24,7 +26,7 @@ SCRIPTS = sorted(
 )
 # what reaches into PyTorch's or multiprocessing's insides
 PRIVATE = re.compile(
-    r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|_host_emptyCache|\._scale\b|"
+    r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|\._spec\b|\._scale\b|"
     r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace|_pytree|_composable"
 )
 
@@ -36,11 +38,15 @@ def test_each_internal_exists_on_the_installed_pytorch():
         dist.all_reduce(torch.ones(1))
         assert before is not None and internals.collectives_started() == before + 1
         assert isinstance(internals.default_store(), dist.Store)
+        # a shard's host copy, in its place for dcp.save
+        shard = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        copy = internals.dtensor_of(torch.zeros(4), shard)
+        assert isinstance(copy, DTensor) and copy.placements == shard.placements
+        assert torch.equal(copy.to_local(), torch.zeros(4))
     finally:
         dist.destroy_process_group()
     if dist.is_nccl_available():  # a CUDA build: the Flight Recorder's dump
         assert callable(torch._C._distributed_c10d._dump_nccl_trace)
-    assert callable(torch._C._host_emptyCache)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))
     assert isinstance(internals.loss_scale(scaler), torch.Tensor)

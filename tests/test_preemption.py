@@ -336,38 +336,10 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
     """A checkpoint every 4 steps on a disk that takes 1.5 s a write: rank 0 trains on while the second is written
     (steps recorded past the save's step, its temporary file on disk), and every process is SIGKILLed then. The same
     command continues from a whole checkpoint to the straight run's weights (1e-6), each step's record once."""
-    script = copy_with_your_functions("distributed.py", tmp_path / "copy", None)
-    text = script.read_text()
-    script.write_text(
-        text.replace('if __name__ == "__main__":', SLOW_WRITES + 'if __name__ == "__main__":')
-    )
     out = tmp_path / "out"
-    args = [
-        *TINY,
-        "--no-augment",
-        *EVAL_EVERY,
-        "--save-every",
-        "4",
-        "--print-freq",
-        "1",
-        "--output-dir",
-        out,
-    ]
-    proc, marker = start(torchrun(2, script, *args), {"WRITE_SECONDS": "1.5"})
-    writing = lambda: list(out.glob(".checkpoint.pt.tmp*"))  # noqa: E731
-    # a whole checkpoint on disk, and the next one being written
-    wait_for(
-        lambda: (out / "checkpoint.pt").exists() and writing(),
-        120,
-        "a second checkpoint being written",
+    continued = killed_while_writing(
+        "distributed.py", SLOW_WRITES, lambda: list(out.glob(".checkpoint.pt.tmp*")), out
     )
-    begun = trained_steps(out)
-    # training goes on while the same write is in flight
-    wait_for(lambda: trained_steps(out) >= begun + 2, 60, "steps past the save")
-    assert writing(), "the write ended before the steps: no overlap seen"
-    proc.kill()
-    finish(proc, marker, timeout=60)
-    continued = run(torchrun(2, script, *args))
     # from a whole checkpoint: the first, or (a loaded machine, the kill after that write ended) a later one
     done = re.search(r"0 of 3 epochs done and (\d+) steps of the next", continued.stdout)
     assert done and int(done[1]) % 4 == 0 and int(done[1]) > 0, continued.stdout
@@ -375,12 +347,38 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
     assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
 
 
+def killed_while_writing(script: str, slow: str, writing, out: Path):
+    """script, with slow (code that makes its writing thread's writes WRITE_SECONDS=1.5 s longer), on 2
+    processes, a checkpoint every 4 steps: every process SIGKILLed once training has gone 2 steps past a save
+    whose write is still in flight (writing() true), after a whole checkpoint; then the same command run again,
+    its result."""
+    script = copy_with_your_functions(script, out.with_name("copy"), None)
+    text = script.read_text()
+    script.write_text(
+        text.replace('if __name__ == "__main__":', slow + 'if __name__ == "__main__":')
+    )
+    args = [*TINY, "--no-augment", *EVAL_EVERY, "--save-every", "4", "--print-freq", "1"]
+    args += ["--output-dir", out]
+    proc, marker = start(torchrun(2, script, *args), {"WRITE_SECONDS": "1.5"})
+    # a whole checkpoint on disk, and the next one being written
+    whole = lambda: any((out / name).exists() for name in ("checkpoint.pt", "checkpoint"))  # noqa: E731
+    wait_for(lambda: whole() and writing(), 120, "a second checkpoint being written")
+    begun = trained_steps(out)
+    # training goes on while the same write is in flight
+    wait_for(lambda: trained_steps(out) >= begun + 2, 60, "steps past the save")
+    assert writing(), "the write ended before the steps: no overlap seen"
+    proc.kill()
+    finish(proc, marker, timeout=60)
+    return run(torchrun(2, script, *args))
+
+
 def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and_says_a_failed_write(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     """Saves: the state as it was when saved, though training changes it before the write; a tensor under two
     keys (a tied head) saved as one; the same file saved again into its kept copies; a failed write told by
-    failed() and raised by wait(), naming the file."""
+    failed() and raised by wait(), naming the file; where host memory has no room for a copy, the file written
+    before save() returns, no copy kept."""
     weights = torch.randn(5, 3)
     then = weights.clone()
     state = {"head": weights, "embedding": weights, "step": torch.tensor(3), "name": "x"}
@@ -398,3 +396,8 @@ def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and
         wait_for(saves.failed, 30, "the failed write")
         with pytest.raises(OSError, match="b.pt"):
             saves.wait()
+        # 100 bytes available: the 68 bytes of state would take more than half
+        monkeypatch.setattr(checkpoints, "host_memory_available", lambda: 100)
+        saves.save(state, tmp_path / "c.pt")
+        assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["head"], weights)
+        assert tmp_path / "c.pt" not in saves.copies

@@ -5,8 +5,8 @@ own utils). In the order a reader of distributed.py meets them:
 
 - errors: UsageError, and run_main, which ends every error of ours or a library's in one line;
 - flags: the flags every script shares (build_parser, check_args);
-- ranks: joining the process group, collectives in a world of one too, which ranks print,
-  errors_shared_by_all_ranks;
+- ranks: joining the process group, collectives in a world of one too, which ranks print, the
+  host memory a node's ranks share, errors_shared_by_all_ranks;
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
 - seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
@@ -26,8 +26,8 @@ own utils). In the order a reader of distributed.py meets them:
 - profiles: where a step's time goes: its phases on every rank, the slow rank named, and
   --profile A:B, torch.profiler over those steps, a trace a rank;
 - sinks: TensorBoard and Weights & Biases, fed the same records;
-- checkpoints: files written whole (in the background: Saves), checkpoints read by rank 0 and
-  sent to all, restore;
+- checkpoints: files written whole (in the background: Saves; FSDP's shards too), checkpoints
+  read by rank 0 and sent to all, restore, a tied parameter saved once;
 - internals: every private name of PyTorch the folder reaches, in one place;
 - builtin: the demo data and models (--dataset, --arch), which a user's own functions replace;
 - images: an image folder with torchvision's recipe, each JPEG decoded no larger than its crop.

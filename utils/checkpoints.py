@@ -1,7 +1,7 @@
 """Files written whole: checkpoints (atomically, a tensor at a time, loaded with weights_only=True),
 written by a thread while training goes on (Saves), read by rank 0 and sent to every rank
-(load_checkpoint_everywhere), restored (restore); metrics.jsonl's lines; a Hugging Face model's
-save_pretrained.
+(load_checkpoint_everywhere), restored (restore); a tied parameter saved once (without_ties,
+tied_once); metrics.jsonl's lines; a Hugging Face model's save_pretrained.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import UsageError, first_line
-from .internals import tree_flatten, tree_unflatten
-from .ranks import errors_shared_by_all_ranks, world_size
+from .internals import dtensor_of, tree_flatten, tree_unflatten
+from .ranks import errors_shared_by_all_ranks, host_memory_available, local_ranks, local_shard
+from .ranks import world_size
 
 log = logging.getLogger("train")
 
@@ -35,13 +36,15 @@ def save_checkpoint(state: dict, path: Path, watchdog=None) -> None:
 
 
 class Saves:
-    """Rank 0's checkpoint files, written by a thread of their own while training goes on: a save
-    copies the state to host memory and returns; the thread writes the copy atomically, as
-    save_checkpoint does (the watchdog times its bytes). A save of a file whose last save is still
-    being written waits for it: one save of each file in flight. A write that failed is said by
-    wait(), and failed() tells the step's agreement (stops.StopSignal), so that every rank ends
-    with its line at the next step; the last whole file stays. Leaving the block waits for what
-    is being written (an error ends the run: the newest checkpoint is kept whole)."""
+    """Checkpoints written by a thread of their own while training goes on (rank 0's files; under
+    FSDP every rank's shards): a save copies the state to host memory and returns; the thread
+    writes the copy atomically, as save_checkpoint does (the watchdog times its bytes). A save of
+    a file whose last save is still being written waits for it: one save of each file in flight.
+    Where host memory has no room for a copy, the save is written before it returns, as before.
+    A write that failed is said by wait(), and failed() tells the step's agreement
+    (stops.StopSignal), so that every rank ends with its line at the next step; the last whole
+    file stays. Leaving the block waits for what is being written (an error ends the run: the
+    newest checkpoint is kept whole)."""
 
     def __init__(self):
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -49,26 +52,31 @@ class Saves:
         # each file's host copies, kept for its next save: a copy into memory already mapped runs
         # at memory's speed, a new one pays for its page faults too
         self.copies: dict[Path, list[torch.Tensor]] = {}
+        self.in_place: set[Path] = set()  # the files host memory has no room to copy
 
-    def save(self, state: dict, path: Path, watchdog=None) -> None:
-        """A copy of state, taken now, for path; written in the background."""
+    def save(
+        self, state: dict, path: Path, watchdog=None, write: Callable = save_checkpoint
+    ) -> None:
+        """A copy of state, taken now, for path; written in the background by write(copy, path,
+        watchdog): torch.save's one file, or every rank's shards (an FSDP script's sharded save)."""
         last = self.writes.pop(path, None)
         if last is not None:
             last.result()  # its error, if it failed
+        # where host memory lacks room for a copy: written before training goes on, as it was
+        if not self.room_for_copy(state, path):
+            write(state, path, watchdog)
+            return
         copy = self.host_copy(state, path)
         if watchdog is not None:
             watchdog.save_taken()
-        self.writes[path] = self.writer.submit(save_checkpoint, copy, path, watchdog)
+        self.writes[path] = self.writer.submit(write, copy, path, watchdog)
 
     def host_copy(self, state: dict, path: Path) -> dict:
         """state with each tensor copied into path's host copies (made anew where they differ); a
-        tensor that appears twice (a tied head and embedding) is copied, and saved, once."""
+        tensor that appears twice (a tied head and embedding) is copied, and saved, once; a shard
+        of an FSDP parameter (a DTensor), its rank's part."""
         leaves, spec = tree_flatten(state)
-        # each tensor once, in the order it first appears
-        unique: dict[tuple, torch.Tensor] = {}
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                unique.setdefault(tensor_key(leaf), leaf.detach())
+        unique = each_tensor_once(leaves)
         kept = self.copies.get(path, [])
         if [(k.shape, k.dtype) for k in kept] != [(t.shape, t.dtype) for t in unique.values()]:
             pin = any(t.is_cuda for t in unique.values())
@@ -78,10 +86,34 @@ class Saves:
             copy.copy_(tensor)
         places = {key: i for i, key in enumerate(unique)}
         leaves = [
-            kept[places[tensor_key(leaf)]] if isinstance(leaf, torch.Tensor) else leaf
+            in_place_of(leaf, kept[places[tensor_key(leaf)]])
+            if isinstance(leaf, torch.Tensor)
+            else leaf
             for leaf in leaves
         ]
         return tree_unflatten(leaves, spec)
+
+    def room_for_copy(self, state: dict, path: Path) -> bool:
+        """Does path keep its host copies, or would a new one take at most half of the host memory
+        available to each of this node's processes? A state that fills the host (a model sharded
+        over CPU processes to fit at all) is written before training goes on, said once."""
+        if path in self.copies:
+            return True
+        if path not in self.in_place:
+            size = sum(
+                t.numel() * t.element_size()
+                for t in each_tensor_once(tree_flatten(state)[0]).values()
+            )
+            room = host_memory_available() / local_ranks() / 2
+            if size <= room:
+                return True
+            log.info(
+                f"{path.name}: written before training goes on, not in the background: a copy of"
+                f" its {size / 1e9:.2f} GB would take more than half of the"
+                f" {2 * room / 1e9:.1f} GB of host memory available to each process"
+            )
+            self.in_place.add(path)
+        return False
 
     def failed(self) -> bool:
         """Has a write that ended failed?"""
@@ -101,9 +133,28 @@ class Saves:
         self.writer.shutdown(wait=True)
 
 
+def each_tensor_once(leaves: list) -> dict[tuple, torch.Tensor]:
+    """The tensors among leaves, each once (a tensor that appears twice: a tied head and embedding),
+    in the order they first appear; a shard of an FSDP parameter (a DTensor), its rank's part."""
+    unique: dict[tuple, torch.Tensor] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            unique.setdefault(tensor_key(leaf), local_shard(leaf).detach())
+    return unique
+
+
 def tensor_key(tensor: torch.Tensor) -> tuple:
-    """What makes two tensors one: the same memory, seen the same way."""
+    """What makes two tensors one: the same memory, seen the same way (a DTensor: its shard's)."""
+    tensor = local_shard(tensor)
     return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+
+
+def in_place_of(tensor: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """copy, a host copy of tensor's data, in its place: a DTensor's shard stays a DTensor with the
+    same placement on the same mesh (what DCP's own staging builds), for DCP to write."""
+    if hasattr(tensor, "to_local"):
+        return dtensor_of(copy, tensor)
+    return copy
 
 
 def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
@@ -222,15 +273,31 @@ def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
     return epoch, step
 
 
-def tied_once(weights: dict, model: nn.Module) -> dict:
-    """Gathered weights (get_model_state_dict: each key its own tensor) with the keys of one tied
-    parameter (GPT-2's head and token embeddings) holding one tensor again: saved once in model.pt,
-    and seen as tied by save_pretrained."""
-    first = {}
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each later name of a parameter the model holds under several (GPT-2's head, tied to its token
+    embeddings), to its first name."""
+    first: dict[int, str] = {}
+    later = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        tied = first.setdefault(id(parameter), name)
-        if tied != name and tied in weights and name in weights:
-            weights[name] = weights[tied]
+        first.setdefault(id(parameter), name)
+        if first[id(parameter)] != name:
+            later[name] = first[id(parameter)]
+    return later
+
+
+def without_ties(weights: dict, model: nn.Module) -> dict:
+    """weights with a tied parameter under its first name only: saved once, gathered once."""
+    later = tied_names(model)
+    return {name: value for name, value in weights.items() if name not in later}
+
+
+def tied_once(weights: dict, model: nn.Module) -> dict:
+    """weights (gathered or read without their ties: each key its own tensor, or one missing) with
+    the keys of one tied parameter holding one tensor again: saved once in model.pt, seen as tied
+    by save_pretrained, loaded by a strict load_state_dict."""
+    for name, first in tied_names(model).items():
+        if first in weights:
+            weights[name] = weights[first]
     return weights
 
 

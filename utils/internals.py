@@ -55,11 +55,11 @@ def nccl_trace() -> bytes | None:
         return None
 
 
-def free_cached_host_memory() -> None:
-    """Give back the pinned host memory CUDA keeps cached (a sharded save copies through it)."""
-    empty_cache = getattr(torch._C, "_host_emptyCache", None)
-    if empty_cache is not None:
-        empty_cache()
+def dtensor_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor of local (a host copy of like's shard) with like's placement on like's mesh: what
+    DCP's own staging for async_save builds, for dcp.save to write. DTensor.from_local would move
+    it to the mesh's device."""
+    return type(like)(local, like._spec, requires_grad=False)
 
 
 def checkpoint_activations(module: nn.Module) -> None:

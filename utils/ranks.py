@@ -1,7 +1,8 @@
 """The ranks of a run: joining the process group (rendezvous_store, fresh_namespace,
 describe_init_error), which rank prints (setup_logging), collectives that also work in a world of
-one (all_reduce, all_gather_objects, gather_on_rank_0), and errors_shared_by_all_ranks, a block
-that every rank enters and that ends every rank with one rank's error.
+one (all_reduce, all_gather_objects, gather_on_rank_0), the host memory a node's ranks share
+(host_memory_available), and errors_shared_by_all_ranks, a block that every rank enters and that
+ends every rank with one rank's error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import sys
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -197,6 +199,21 @@ def world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+def local_ranks() -> int:
+    """The processes of the run on this node (torchrun's LOCAL_WORLD_SIZE; all of them without
+    it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def host_memory_available() -> float:
+    """The bytes the host has available (MemAvailable), which this node's processes share;
+    infinite where it cannot be read."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return float("inf")
+    return int(meminfo.read_text().split("MemAvailable:")[1].split()[0]) * 1024
 
 
 def all_gather_objects(obj, group=None) -> list:
