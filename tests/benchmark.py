@@ -8,7 +8,7 @@
                                                             # Accelerate (GPT-2 small on a GPU, without --quick)
 
 Cases run in turn, round after round (so slow drift of the machine hits all
-of them alike); each run's first epoch is warm-up (and compilation), shown
+of them alike; the language-model rows every other round backwards); each run's first epoch is warm-up (and compilation), shown
 apart, and the later ones are measured. Prints a markdown table, the ratios
 that show where time goes and what the scripts gain over the textbook loop
 (tests/textbook.py), and a line naming the hardware, the PyTorch version and
@@ -870,7 +870,9 @@ def lm_benchmark(args, gpus: int) -> None:
     runs: dict[str, list] = {c[0]: [] for c in selected}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
-            for i, case in enumerate(selected):
+            # every other round backwards: a drift within a round favours no row's place
+            order = selected if round_ % 2 == 0 else selected[::-1]
+            for i, case in enumerate(order):
                 print(f"round {round_ + 1}/{args.repeats}: {case[0]}", file=sys.stderr, flush=True)
                 runs[case[0]].append(
                     run_lm_case(case, args, nproc, env, Path(tmp) / f"{round_}-{i}")
