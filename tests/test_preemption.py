@@ -337,21 +337,19 @@ def test_a_run_killed_while_a_checkpoint_is_written_in_the_background_continues_
     (steps recorded past the save's step, its temporary file on disk), and every process is SIGKILLed then. The same
     command continues from a whole checkpoint to the straight run's weights (1e-6), each step's record once."""
     out = tmp_path / "out"
-    continued = killed_while_writing(
-        "distributed.py", SLOW_WRITES, lambda: list(out.glob(".checkpoint.pt.tmp*")), out
+    writing = lambda: list(out.glob(".checkpoint.pt.tmp*"))  # noqa: E731
+    assert_killed_while_writing_continues(
+        "distributed.py", SLOW_WRITES, writing, out, reference["two"]
     )
-    # from a whole checkpoint: the first, or (a loaded machine, the kill after that write ended) a later one
-    done = re.search(r"0 of 3 epochs done and (\d+) steps of the next", continued.stdout)
-    assert done and int(done[1]) % 4 == 0 and int(done[1]) > 0, continued.stdout
-    assert max_weight_difference(out, reference["two"]) <= 1e-6
-    assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
 
 
-def killed_while_writing(script: str, slow: str, writing, out: Path):
+def assert_killed_while_writing_continues(
+    script: str, slow: str, writing, out: Path, straight: Path
+) -> None:
     """script, with slow (code that makes its writing thread's writes WRITE_SECONDS=1.5 s longer), on 2
     processes, a checkpoint every 4 steps: every process SIGKILLed once training has gone 2 steps past a save
-    whose write is still in flight (writing() true), after a whole checkpoint; then the same command run again,
-    its result."""
+    whose write is still in flight (writing() true), after a whole checkpoint; then the same command continues
+    from a whole checkpoint to straight's weights (1e-6), each step's record once."""
     script = copy_with_your_functions(script, out.with_name("copy"), None)
     text = script.read_text()
     script.write_text(
@@ -369,7 +367,12 @@ def killed_while_writing(script: str, slow: str, writing, out: Path):
     assert writing(), "the write ended before the steps: no overlap seen"
     proc.kill()
     finish(proc, marker, timeout=60)
-    return run(torchrun(2, script, *args))
+    continued = run(torchrun(2, script, *args))
+    # from a whole checkpoint: the first, or (a loaded machine, the kill after that write ended) a later one
+    done = re.search(r"0 of 3 epochs done and (\d+) steps of the next", continued.stdout)
+    assert done and int(done[1]) % 4 == 0 and int(done[1]) > 0, continued.stdout
+    assert max_weight_difference(out, straight) <= 1e-6
+    assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
 
 
 def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and_says_a_failed_write(
