@@ -36,7 +36,7 @@ from processes import (
     warm_starts,
 )
 from test_your_own_data import copy_with_your_functions
-from utils import checkpoints
+from utils import checkpoints, ranks
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -375,6 +375,38 @@ def assert_killed_while_writing_continues(
     assert [r["global_step"] for r in steps(out) if "train_loss" in r] == list(range(1, 97))
 
 
+def memory_cgroup(
+    root: Path, limit: str, usage: str, bound: int, used: int, dropped: int = 0
+) -> Path:
+    """A memory cgroup's files at root (version 2's names, or version 1's under memory/), limited to bound bytes,
+    using used of them, dropped of which inactive page cache."""
+    folder = root / ("memory" if limit.endswith("_in_bytes") else "")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / limit).write_text(f"{bound}\n")
+    (folder / usage).write_text(f"{used}\n")
+    (folder / "memory.stat").write_text(
+        f"anon {used - dropped}\ninactive_file {dropped}\ntotal_inactive_file {dropped}\n"
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    "limit, usage",
+    [("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")],
+)
+def test_a_memory_cgroups_limit_bounds_the_memory_available(tmp_path, monkeypatch, limit, usage):
+    """A container's or a Slurm job's memory limit (cgroup version 2 or 1), not the host's MemAvailable, is what a
+    background save's copy and FSDP's start-up line measure against: the limit less what is used, the inactive
+    page cache counted as free; no limit, the host's alone."""
+    monkeypatch.setattr(ranks, "CGROUP", memory_cgroup(tmp_path, limit, usage, 2**30, 2**29, 2**28))
+    assert ranks.cgroup_memory_left() == 2**30 - 2**29 + 2**28
+    assert ranks.host_memory_available() <= 2**30 - 2**29 + 2**28
+    (tmp_path / "memory" if limit.endswith("_in_bytes") else tmp_path).joinpath(limit).write_text(
+        "max\n" if limit == "memory.max" else f"{2**63 - 4096}\n"
+    )
+    assert ranks.cgroup_memory_left() == float("inf")
+
+
 def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and_says_a_failed_write(
     tmp_path, monkeypatch
 ):
@@ -399,8 +431,9 @@ def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and
         wait_for(saves.failed, 30, "the failed write")
         with pytest.raises(OSError, match="b.pt"):
             saves.wait()
-        # 100 bytes available: the 68 bytes of state would take more than half
-        monkeypatch.setattr(checkpoints, "host_memory_available", lambda: 100)
+        # a container's memory cgroup leaves 100 bytes: the 68 bytes of state would take more than half
+        cgroup = memory_cgroup(tmp_path / "cgroup", "memory.max", "memory.current", 1000, 900)
+        monkeypatch.setattr(ranks, "CGROUP", cgroup)
         saves.save(state, tmp_path / "c.pt")
         assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["head"], weights)
         assert tmp_path / "c.pt" not in saves.copies

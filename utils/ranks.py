@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 import torch
@@ -207,13 +207,55 @@ def local_ranks() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
 
 
+# Where the memory cgroups are mounted (version 2 here, version 1 under memory/).
+CGROUP = Path("/sys/fs/cgroup")
+
+
 def host_memory_available() -> float:
-    """The bytes the host has available (MemAvailable), which this node's processes share;
-    infinite where it cannot be read."""
+    """The bytes this node's processes share: the host's MemAvailable, or less where a memory cgroup
+    (a container's, a Slurm job's) limits them; infinite where neither can be read."""
+    available = float("inf")
     meminfo = Path("/proc/meminfo")
-    if not meminfo.exists():
-        return float("inf")
-    return int(meminfo.read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    if meminfo.exists():
+        available = int(meminfo.read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    return min(available, cgroup_memory_left())
+
+
+def cgroup_memory_left() -> float:
+    """What the memory cgroups of this process leave it, the tightest: each limit less its usage,
+    the page cache it may drop (inactive files) not counted as used; version 2 or 1, at the
+    mount's root (a container's own cgroup), at the process's path and above it (a Slurm job's
+    step and job); infinite without a limit."""
+    paths = {PurePosixPath("/")}
+    if Path("/proc/self/cgroup").exists():
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers in ("", "memory"):
+                paths.update([PurePosixPath(path), *PurePosixPath(path).parents])
+    left = float("inf")
+    for path in paths:
+        relative = str(path).lstrip("/")
+        for folder, limit, usage, inactive in (
+            (CGROUP / relative, "memory.max", "memory.current", "inactive_file"),
+            (
+                CGROUP / "memory" / relative,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            ),
+        ):
+            if not ((folder / limit).is_file() and (folder / usage).is_file()):
+                continue
+            bound = (folder / limit).read_text().strip()
+            # no limit: "max", or version 1's largest page-aligned number
+            if bound == "max" or int(bound) >= 2**62:
+                continue
+            stat = (
+                (folder / "memory.stat").read_text() if (folder / "memory.stat").is_file() else ""
+            )
+            dropped = dict(line.split() for line in stat.splitlines()).get(inactive, 0)
+            left = min(left, int(bound) - int((folder / usage).read_text()) + int(dropped))
+    return left
 
 
 def all_gather_objects(obj, group=None) -> list:
