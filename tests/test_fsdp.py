@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from utils import builtin
+from utils.ranks import host_memory_available
 from processes import (
     EVAL_EVERY,
     OFFLINE,
@@ -716,7 +717,7 @@ def test_a_state_beyond_the_machine_ends_every_rank_in_one_line_before_sharding(
     never touched, so it costs nothing here) with AdamW would need 2.4 x it over 2 processes, where the host has at
     most 1.6 x (what is available, and the model itself once sharded): every rank ends with one line that says so
     before any shard exists, not by the out-of-memory killer mid-step."""
-    available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    available = host_memory_available()  # what the script reads
     copy = copy_with_your_functions(
         "distributed_fsdp.py", tmp_path / "copy", YOUR_MODEL_BEYOND_THE_MACHINE
     )
