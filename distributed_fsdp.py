@@ -693,6 +693,9 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
         state = {**training_state(run), "epoch": epoch, "step": step}
         write = functools.partial(save_sharded, group=run.save_group)
         run.saves.save(state, output_dir / "checkpoint", watchdog, write)
+        # before the whole weights are written: one write at a time, which the watchdog times
+        if final:
+            run.saves.wait()
     # --ema: the average's twin
     for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
         # for one process, inference or distributed.py, written while swapped in

@@ -62,8 +62,10 @@ class Saves:
         last = self.writes.pop(path, None)
         if last is not None:
             last.result()  # its error, if it failed
-        # where host memory lacks room for a copy: written before training goes on, as it was
+        # where host memory lacks room for a copy: written before training goes on, as it was,
+        # after the writes in flight (one write at a time, which the watchdog times)
         if not self.room_for_copy(state, path):
+            self.wait()
             write(state, path, watchdog)
             return
         copy = self.host_copy(state, path)

@@ -43,8 +43,8 @@ class StopSignal:
             self.group = dist.new_group(backend="gloo")
 
     def watch(self, saves) -> None:
-        """A write of rank 0's that failed in the background (checkpoints.Saves) ends every rank
-        with its line at the next step."""
+        """A checkpoint write that failed in the background (checkpoints.Saves: rank 0's files,
+        FSDP's shards on every rank) ends every rank with its line at the next step."""
         self.saves = saves
 
     def note(self, signum: int, frame) -> None:
@@ -57,7 +57,7 @@ class StopSignal:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        # A checkpoint rank 0 was writing failed (a full disk): every rank ends with its line.
+        # A checkpoint being written failed (a full disk): every rank ends with its line.
         if self.values[3]:
             with errors_shared_by_all_ranks():
                 self.saves.wait()
