@@ -120,11 +120,16 @@ def parse_args():
         default=None,
         help="processes on this node (default: one per GPU, or 1 without GPUs)",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="number of machines")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
+    parser.add_argument("--nodes", type=int, default=1, help="number of machines (default: 1)")
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1 (default: 0)"
+    )
     args = parser.parse_args()
     flags.check_args(args)
-    args.nproc = args.nproc or torch.cuda.device_count() or 1
+    if args.nodes < 1 or (args.nproc is not None and args.nproc < 1):
+        parser.error("--nodes and --nproc must be at least 1")
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() or 1
     if args.nodes > 1 and (args.ip is None or args.port is None) and args.dist_url is None:
         parser.error("--nodes > 1 needs --ip and --port of node 0, the same on every node")
     if not 0 <= args.node_rank < args.nodes:

@@ -197,14 +197,16 @@ def tracebacks(stderr: str) -> list[str]:
     return found
 
 
-def verdict(result, given: set[str], leftover: list[int]) -> tuple[str, str]:
-    """("trained" | "refused" | "failed", why)."""
+def verdict(result, given: set[str], leftover: list[int], out: Path) -> tuple[str, str]:
+    """("trained" | "refused" | "failed", why): a run that exits 0 trained only where it saved."""
     if leftover:
         return "failed", f"processes left running: {leftover}"
     traces = tracebacks(result.stderr)
     if traces:
         return "failed", f"a traceback: {traces[0]}"
     if result.returncode == 0:
+        if not (out / "checkpoint.pt").exists() and not (out / "checkpoint").is_dir():
+            return "failed", f"exit 0 without a checkpoint in {out}: nothing trained, nothing said"
         return "trained", ""
     said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     if not said:
@@ -234,7 +236,8 @@ def one_run(script: str, flags: dict, nproc: int, folder: Path) -> tuple[str, st
                 break
             time.sleep(0.05)
         result = finish(proc, marker, timeout=30)
-        kind, why = verdict(result, given, leftover)
+        out = Path(flags["--output-dir"].format(dir=folder, file=folder / "a-file"))
+        kind, why = verdict(result, given, leftover, out)
         return kind, why, cmd
     finally:
         processes.kill_everything_started_by(marker)

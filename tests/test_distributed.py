@@ -506,7 +506,12 @@ BAD_INPUTS = {
     ),
     "an address of another machine": (
         lambda t: ["--ip", "no.such.host.invalid", "--port", free_port()],
-        "--ip (or --dist-url) must be an address of this node (0)",
+        "; rank 0 listens there: --ip or --dist-url must be its node's address",
+    ),
+    # found by tests/fuzz_flags.py: the mode alone kept nothing, and said nothing
+    "a best's mode without what it ranks": (
+        lambda t: ["--keep-best-mode", "max"],
+        "--keep-best-mode needs --keep-best NAME",
     ),
     "rendezvous at env:// without its address": (
         lambda t: ["--dist-url", "env://"],

@@ -718,11 +718,12 @@ def code_lines(path: Path) -> int:
 # ends the process and before hf/ at the end. Issue 84: FSDP + 2, a tied head saved once (model.pt, hf/, model_best.pt);
 # FSDP + 18, its sharded save written in the background (Saves made and watched, two fields, a gloo group for the
 # writing thread's collectives, waited for before a stop ends the process, before the whole weights and at the end) and gather_weights, each
-# parameter's shards gathered once (a tied head too), its keys tied again.
+# parameter's shards gathered once (a tied head too), its keys tied again. Found by the flag fuzzer (2026-11-29):
+# distributed_mp.py + 3, --nodes and --nproc refused below 1 (--nproc 0 had trained 1 process, -1 none, exit 0).
 SCRIPT_LINES = {
     "dataparallel.py": 199 + 34 + 1 + 2 + 6,
     "distributed.py": 234 + 35 + 1 + 2 + 6,
-    "distributed_mp.py": 270 + 35 + 1 + 2 + 6,
+    "distributed_mp.py": 270 + 35 + 1 + 2 + 6 + 3,
     "distributed_amp.py": 251 + 35 + 1 + 2 + 1 + 2 + 6,
     "distributed_grad_accum.py": 259 + 35 + 1 + 2 + 6,
     "distributed_fsdp.py": 381 + 35 + 1 + 2 + 1 + 2 + 2 + 18,
@@ -788,7 +789,8 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     parameter's later names, left out of a sharded checkpoint and a gather and tied again; 22: the memory a cgroup
     leaves, version 2 or 1, at the mount's root and along the process's path, which bounds the host's) and issue 83 (8: what the
     flag fuzzer found, a negative --lr, --momentum or --weight-decay, a NaN and a --port out of range refused in one
-    line, and env:// without MASTER_ADDR)."""
+    line, and env:// without MASTER_ADDR; 3 later: --keep-best-mode without --keep-best refused, and a listen
+    error's cause said without Python's repeat of the address)."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
@@ -796,7 +798,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= sum(
-        [1476, 43, 57, 21, 8, 30, 50, 109, 22, 213, 136, 48, 18, 35, 7, 59, 8, 35, 22]
+        [1476, 43, 57, 21, 8, 30, 50, 109, 22, 213, 136, 48, 18, 35, 7, 59, 8, 35, 22, 3]
     )
     imports = {}
     for name, path in modules.items():

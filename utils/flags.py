@@ -183,8 +183,8 @@ def build_parser(description: str) -> ArgumentParser:
         "--keep-best-mode",
         choices=["min", "max"],
         default=None,
-        help="whether the best --keep-best value is the lowest or the highest (default: min for a"
-        " name with 'loss' in it, else max)",
+        help="with --keep-best: whether its best value is the lowest or the highest (default: min"
+        " for a name with 'loss' in it, else max)",
     )
     add("--ip", default=None, help="rendezvous address for tcp:// init (default: 127.0.0.1)")
     add(
@@ -294,6 +294,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
     if args.compile_mode is not None:
         args.compile = True
+    if args.keep_best_mode is not None and args.keep_best is None:
+        raise UsageError("--keep-best-mode needs --keep-best NAME, the validation figure it ranks")
     # --keep-best: lower is better for a loss (timm's rule), higher for the rest
     if args.keep_best_mode is None and args.keep_best is not None:
         args.keep_best_mode = "max"

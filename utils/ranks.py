@@ -88,7 +88,9 @@ def rendezvous_store(
         try:
             listen_fd = socket.create_server((url.hostname, url.port)).detach()
         except OSError as e:
-            reason = f"{e.strerror}; --ip (or --dist-url) must be an address of this node (0)"
+            # strerror without Python's "(while attempting to bind on address ...)": said below
+            cause = (e.strerror or str(e)).split(" (while attempting")[0]
+            reason = f"{cause}; rank 0 listens there: --ip or --dist-url must be its node's address"
             if e.errno == errno.EADDRINUSE:
                 reason = "the port is in use; choose another --port"
             where = f"tcp://{url.hostname}:{url.port}"
