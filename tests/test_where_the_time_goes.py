@@ -25,7 +25,7 @@ from processes import (
     torchrun,
 )
 from test_your_own_data import copy_with_your_functions, start_up_step
-from utils import peaks
+from utils import peaks, profiles
 
 # (torch.cuda.get_device_name(), bfloat16, float16, float32 with TF32, float32 without) as NVIDIA's data sheets give
 # them, dense
@@ -325,6 +325,26 @@ def test_profile_writes_a_trace_a_rank_with_each_steps_phases(tmp_path):
     ends_every_rank_with(
         wrong_peak, "error: --timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0"
     )
+
+
+def test_a_profile_of_steps_the_run_never_reaches_says_so(tmp_path, caplog):
+    """--profile 5:6 on a run of 2 steps: no trace, and one line says why, where it had ended in silence."""
+    phases = profiles.StepPhases(torch.device("cpu"))
+    with caplog.at_level("INFO", logger="train"):
+        with profiles.StepProfiler("5:6", phases, tmp_path, rank=0):
+            for _ in range(2):  # a step's phases, as the hooks enter them
+                for phase in (
+                    profiles.DATA,
+                    profiles.FORWARD,
+                    profiles.BACKWARD,
+                    profiles.OPTIMIZER,
+                ):
+                    phases.watchers[0](phase)
+            phases.watchers[0](None)
+    assert not (tmp_path / "profile").exists()
+    assert caplog.messages == [
+        "--profile 5:6: no trace written: this run ended after 2 optimizer steps, before step 5"
+    ]
 
 
 def test_the_phases_plot_as_a_bar_a_rank(slow_runs, tmp_path):

@@ -246,6 +246,13 @@ class StepProfiler(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        # a run that ended well before step A: said, not a trace silently missing
+        if exc[0] is None and self.steps is not None and not self.started:
+            first, last = self.steps
+            log.info(
+                f"--profile {first}:{last}: no trace written: this run ended after {self.done}"
+                f" optimizer steps, before step {first}"
+            )
 
     def enter(self, phase: int | None) -> None:
         """A phase begins (None: the epoch's steps ended): the profile starts with step A's data,
