@@ -81,7 +81,7 @@ def build_metrics(args, num_classes: int) -> dict:
 
 
 def parse_args():
-    parser = flags.build_parser(__doc__.splitlines()[0])
+    parser = flags.build_parser(__doc__.splitlines()[0], one_process=True)
     parser.add_argument(
         "--gpu", default=None, help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)"
     )

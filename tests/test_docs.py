@@ -183,7 +183,8 @@ def flag_helps(text: str) -> dict[str, str]:
 def test_every_flag_says_its_default_and_its_choices_as_the_code_has_them():
     """Every flag of the seven scripts says its default in its help: argparse's own where the parser holds one, which
     is then the value the script parses; words where the code computes it, checked here for the ones this machine
-    computes (workers, lr, weight decay, the port); a one-word default of a flag with choices is one of them."""
+    computes (workers, lr, weight decay, the port); a one-word default of a flag with choices is one of them; the
+    rendezvous flags, which dataparallel.py accepts as every script does, say there that they go unused."""
     helps = help_texts(set(SCRIPTS))
     parsed = run_parallel([([PYTHON, "-c", PARSED, script], {}) for script in SCRIPTS], timeout=120)
     for script, result in zip(SCRIPTS, parsed):
@@ -201,3 +202,7 @@ def test_every_flag_says_its_default_and_its_choices_as_the_code_has_them():
             if name in COMPUTED:
                 words, value = COMPUTED[name]
                 assert words in text and values[name] == value, (script, name, text, values[name])
+            # DataParallel's one process joins no group: its rendezvous flags say they go unused
+            if name in ("ip", "port", "dist_url", "backend"):
+                unused = "unused here: one process, no process group" in text
+                assert unused == (script == "dataparallel.py"), (script, text)

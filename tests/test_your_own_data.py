@@ -791,7 +791,8 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     flag fuzzer found, a negative --lr, --momentum or --weight-decay, a NaN and a --port out of range refused in one
     line, and env:// without MASTER_ADDR; 3 later: --keep-best-mode without --keep-best refused, and a listen
     error's cause said without Python's repeat of the address) and 3 for a --profile whose steps the run never
-    reached, said at its end where no trace had been written in silence."""
+    reached, said at its end where no trace had been written in silence, and 1 for dataparallel.py's --help, which
+    says that the rendezvous flags every script accepts go unused in its one process."""
     scripts = sorted([*CASES, "distributed_fsdp.py"])
     assert sorted(path.name for path in ROOT.glob("*.py")) == scripts
     modules = {path.stem: path for path in (ROOT / "utils").glob("*.py") if path.stem != "__init__"}
@@ -799,7 +800,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     listed = re.findall(r"^- (\w+): ", docstring, re.M)
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= sum(
-        [1476, 43, 57, 21, 8, 30, 50, 109, 22, 213, 136, 48, 18, 35, 7, 59, 8, 35, 22, 3, 3]
+        [1476, 43, 57, 21, 8, 30, 50, 109, 22, 213, 136, 48, 18, 35, 7, 59, 8, 35, 22, 3, 3, 1]
     )
     imports = {}
     for name, path in modules.items():

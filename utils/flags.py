@@ -49,9 +49,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(description: str) -> ArgumentParser:
+def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
     """The flags every script shares (README.md, "Flags"); each script's parse_args adds its
-    approach's own."""
+    approach's own. one_process (dataparallel.py): the rendezvous flags say they go unused."""
     p = ArgumentParser(
         description=description,
         formatter_class=HelpFormatter,
@@ -186,25 +186,32 @@ def build_parser(description: str) -> ArgumentParser:
         help="with --keep-best: whether its best value is the lowest or the highest (default: min"
         " for a name with 'loss' in it, else max)",
     )
-    add("--ip", default=None, help="rendezvous address for tcp:// init (default: 127.0.0.1)")
+    # accepted by every script alike, so that one command line fits all; DataParallel joins no group
+    unused = "; unused here: one process, no process group" if one_process else ""
+    add(
+        "--ip",
+        default=None,
+        help=f"rendezvous address for tcp:// init (default: 127.0.0.1{unused})",
+    )
     add(
         "--port",
         type=int,
         default=None,
         help="rendezvous port for tcp:// init (default: 29500 where --ip is given, a free one for"
-        " distributed_mp.py on one node; without either, torchrun's env:// or one process alone)",
+        " distributed_mp.py on one node; without either, torchrun's env:// or one process"
+        f" alone{unused})",
     )
     add(
         "--dist-url",
         default=None,
         help="env://, tcp://HOST:PORT or file:///shared/path (overrides --ip/--port; default:"
-        " from --ip/--port, else env:// under torchrun)",
+        f" from --ip/--port, else env:// under torchrun{unused})",
     )
     add(
         "--backend",
         choices=["nccl", "gloo"],
         default=None,
-        help="default: nccl with CUDA, else gloo",
+        help=f"the collectives' library (default: nccl with CUDA, else gloo{unused})",
     )
     add(
         "--timeout",
