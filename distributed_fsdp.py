@@ -791,14 +791,14 @@ def main(teardown: ExitStack) -> None:
     torch.backends.cudnn.benchmark = True
     # rank 0's initial weights, and the same random streams on every rank
     torch.manual_seed(args.seed)
-    train_set, val_set, num_classes = build_datasets(args)
+    train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
-    model = build_once(args, num_classes, rank)
+    model = checks.returned_model(build_once(args, num_classes, rank))
     if args.channels_last:
         # NHWC: what Tensor Core convolutions read
         model = model.to(memory_format=torch.channels_last)

@@ -458,13 +458,13 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     # fixed input size: cuDNN times and picks its fastest kernels
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    train_set, val_set, num_classes = build_datasets(args)
+    train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
-    model = build_model(args, num_classes)
+    model = checks.returned_model(build_model(args, num_classes))
     if args.channels_last:
         # NHWC: what Tensor Core convolutions read
         model = model.to(memory_format=torch.channels_last)

@@ -84,11 +84,12 @@ def test_a_peer_dying_mid_collective_ends_the_other(tmp_path):
     finish(*ranks[1], timeout=10)
     assert survivor.returncode != 0
     assert time.monotonic() - started < 10 + 20  # within --timeout, plus a margin
-    assert (
-        survivor.stderr.strip()
-        .splitlines()[-1]
-        .startswith("error: distributed communication failed")
-    )
+    # said as what it is, without gloo's source paths and sign-off
+    assert re.fullmatch(
+        r"error: distributed communication failed: another process ended first \(its own error says "
+        r"why\): Connection (closed|reset) by peer( \S+)?",
+        survivor.stderr.strip().splitlines()[-1],
+    ), survivor.stderr
     assert "Traceback" not in survivor.stderr
 
 

@@ -57,6 +57,46 @@ class ModelFlops(FlopCounterMode):
         return super()._count_flops(func_packet, out, args, kwargs)
 
 
+def returned_datasets(returned) -> tuple:
+    """build_datasets' (train_set, val_set, num_classes), as it returned them; another form, or a
+    set of no samples (where it has a length: a stream's is not known), ends every rank in one
+    line, not in an unpacking's traceback or a validation of nothing recorded as a loss of 0."""
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 3):
+        raise UsageError(
+            "build_datasets must return (train_set, val_set, num_classes), not"
+            f" {describe_value(returned)}"
+        )
+    if dataset_length(returned[0]) == 0:
+        raise UsageError("build_datasets returned an empty training set: nothing to train on")
+    if dataset_length(returned[1]) == 0:
+        raise UsageError(
+            "build_datasets returned an empty validation set: give it samples, each counted once"
+            " (a slice of the training data will do)"
+        )
+    return tuple(returned)
+
+
+def dataset_length(dataset) -> int | None:
+    """len(dataset), or None where it has none (a stream)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def returned_model(model) -> nn.Module:
+    """build_model's module, which must be one with a parameter to train: one line, not a
+    traceback at .to() or at the first backward."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"build_model must return an nn.Module, not {describe_value(model)}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(
+            f"build_model's {type(model).__name__} has no parameter that requires a gradient:"
+            " nothing to train (frozen weights need some left unfrozen, e.g. a new head)"
+        )
+    return model
+
+
 def first_step_flops(
     model: nn.Module,
     loader: DataLoader,
@@ -181,6 +221,10 @@ def collate_first(loader: DataLoader, first: list) -> tuple[int, object, object]
             raise
         what = f"{first_line(e)}{called_from(e)}"
         raise UsageError(f"collate cannot batch the first samples ({what}): pad them") from None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise UsageError(
+            f"collate must return one batch as (inputs, targets), not {describe_value(batch)}"
+        )
     return samples, batch, more
 
 
@@ -215,8 +259,11 @@ def check_workers_can_take(loader: DataLoader) -> None:
 
 
 def describe_value(value) -> str:
+    """A tensor's shape, a tuple's or list's length, or the type."""
     if isinstance(value, torch.Tensor):
         return f"shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
     return type(value).__name__
 
 

@@ -198,7 +198,13 @@ def error_line(error: Exception) -> str | None:
     words = r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer"
     in_torch = raised_in(error, str(Path(torch.__file__).parent), *OURS)
     if isinstance(error, dist.DistError) or (in_torch and re.search(words, text)):
-        return f"error: distributed communication failed: {first_line(error)}"
+        said = first_line(error)
+        # a peer gone: said so, in gloo's words without its source paths and its sign-off
+        peer_gone = r"Connection (closed|reset) by peer[^.]*|Broken pipe|remote process exited"
+        gone = re.search(peer_gone, said)
+        if gone:
+            said = f"another process ended first (its own error says why): {gone[0]}"
+        return f"error: distributed communication failed: {said}"
     return None
 
 
