@@ -5,8 +5,9 @@ weights before anything is saved.
 
 from __future__ import annotations
 
-import pickle
+import contextlib
 import math
+import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -127,21 +128,15 @@ def first_step_flops(
             check_draws_reach(loader.dataset)
             samples, batch, more = collate_first(loader, first)
             inputs, targets = batch_to_device(batch, device, loader.dataset, args.channels_last)
-            try:
+            with refused_as_one_line("the model cannot take the first batch's inputs"):
                 with FlopCounterMode(display=False) as forward_flops:
                     outputs = forward(model.train(), inputs)
-            except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
-                if not raised_in(e, *LIBRARIES):
-                    raise
-                what = f"{first_line(e)}{called_from(e)}"
-                raise UsageError(
-                    f"the model cannot take the first batch's inputs: {what}"
-                ) from None
             # On a GPU a bad label is a device-side assert that kills the process: more labels than
             # two samples have are checked.
             if is_default_loss(compute_loss):
                 check_class_targets(outputs, batch_to_device(more, device, loader.dataset)[1])
-            loss = compute_loss(outputs, targets)
+            with refused_as_one_line("compute_loss cannot take the outputs and targets"):
+                loss = compute_loss(outputs, targets)
             check_loss(loss)
         with ModelFlops(display=False) as backward_flops:
             if isinstance(loss, torch.Tensor):
@@ -169,6 +164,19 @@ def first_step_flops(
         if "convolution" in str(op)
     )
     return flops / samples, convolutions / max(flops, 1)
+
+
+@contextlib.contextmanager
+def refused_as_one_line(what: str):
+    """A library's refusal inside (torch's: a layer's shapes, a loss's dtypes) as one line, what
+    and its words at the user's line that called it; an error the user's code raised itself is
+    theirs, traceback and all."""
+    try:
+        yield
+    except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
+        if not raised_in(e, *LIBRARIES):
+            raise
+        raise UsageError(f"{what}: {first_line(e)}{called_from(e)}") from None
 
 
 def check_draws_reach(dataset) -> None:
