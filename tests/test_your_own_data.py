@@ -539,6 +539,43 @@ def test_a_plug_point_that_returns_another_form_is_refused_in_one_line(case):
     assert checks.returned_model(model) is model
 
 
+class Ragged(
+    torch.utils.data.Dataset
+):  # sample 5 is one longer: found mid-epoch, not by the start-up check
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.zeros(3 + (index == 5)), 0
+
+
+def your_collate(samples):
+    if len(samples) == 3:
+        raise ValueError("your own collate's error")
+    return torch.utils.data.default_collate(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_collate_cannot_make_mid_epoch_is_one_line_and_your_own_error_yours(workers):
+    """Found by hand: a sample of another size past the start-up check's first samples ended its rank in a
+    traceback mid-epoch (default_collate's, or a worker's around it). It is one line at the user's line, which a
+    training loop says on every rank (stops.next_batch); an error the user's collate raises itself stays theirs."""
+    loader = torch.utils.data.DataLoader(
+        Ragged(), batch_size=2, num_workers=workers, collate_fn=batches.Counted(your_collate)
+    )
+    read = iter(loader)
+    assert next(read)[0] == next(read)[0] == 2
+    with pytest.raises(errors.UsageError) as error:
+        next(read)
+    assert re.fullmatch(
+        r"collate cannot batch its samples \((stack expects each tensor to be equal size|Trying to resize storage"
+        r" that is not resizable)[^\n]*, at your_collate \(test_your_own_data.py:\d+\)\): pad them",
+        str(error.value),
+    ), str(error.value)
+    with pytest.raises(ValueError, match="your own collate's error"):
+        batches.Counted(your_collate)([Ragged()[0]] * 3)
+
+
 class YourModel(torch.nn.Linear):  # a user's own model, with a bug of its own on the first batch
     def forward(self, inputs):
         if inputs.shape[1] == 7:

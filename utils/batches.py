@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .errors import OURS, UsageError, raised_in
+from .errors import LIBRARIES, OURS, UsageError, called_from, first_line, raised_in
 from .internals import tree_map_only
 from .ranks import all_reduce, share, world_size
 from .samplers import Batches
@@ -23,10 +23,18 @@ from .samplers import Batches
 
 class Counted(functools.partial):
     """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples;
-    picklable."""
+    picklable. What a library refuses in collate (default_collate: samples of two sizes) is one
+    line at the user's line, at the start-up check or mid-epoch, in a worker or not; an error
+    collate raises itself is the user's, traceback and all."""
 
     def __call__(self, samples: list) -> tuple[int, object]:
-        return len(samples), super().__call__(samples)
+        try:
+            return len(samples), super().__call__(samples)
+        except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
+            if not raised_in(e, *LIBRARIES):
+                raise
+            what = f"{first_line(e)}{called_from(e)}"
+            raise UsageError(f"collate cannot batch its samples ({what}): pad them") from None
 
 
 def forward(model: nn.Module, inputs):

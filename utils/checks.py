@@ -219,16 +219,10 @@ def alike(a, b) -> bool:
 
 
 def collate_first(loader: DataLoader, first: list) -> tuple[int, object, object]:
-    """(samples, batch) of the first two samples, and the batch of all of them. What a library
-    refused (default_collate: samples of two sizes) is one line; the user's own error is theirs."""
-    try:
-        samples, batch = loader.collate_fn(first[:2])
-        more = loader.collate_fn(first)[1]
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
-        if not raised_in(e, *LIBRARIES):
-            raise
-        what = f"{first_line(e)}{called_from(e)}"
-        raise UsageError(f"collate cannot batch the first samples ({what}): pad them") from None
+    """(samples, batch) of the first two samples, and the batch of all of them (what a library
+    refuses there is one line: batches.Counted); a batch not (inputs, targets) is one line."""
+    samples, batch = loader.collate_fn(first[:2])
+    more = loader.collate_fn(first)[1]
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise UsageError(
             f"collate must return one batch as (inputs, targets), not {describe_value(batch)}"
