@@ -275,6 +275,12 @@ def check_loss(loss) -> None:
     total, count = loss if pair else (loss, 1)
     scalar = isinstance(total, torch.Tensor) and total.dim() == 0
     one_count = isinstance(count, int) or (isinstance(count, torch.Tensor) and count.numel() == 1)
+    if scalar and one_count and not total.requires_grad:
+        raise UsageError(
+            "compute_loss returned a loss with no gradient back to the weights: return it as"
+            " computed from the outputs (not detached, not under torch.no_grad, in compute_loss or"
+            " the model's forward)"
+        )
     if scalar and one_count:
         return
     what = describe_value(loss)
