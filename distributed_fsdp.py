@@ -156,6 +156,9 @@ def parse_args():
     flags.check_args(args)
     if not args.init_scale > 0:
         parser.error("--init-scale must be > 0")
+    # FSDP2 shards contiguous parameters only, and channels_last weights are not
+    if args.channels_last:
+        parser.error("--channels-last: FSDP shards contiguous weights only; use distributed.py")
     return args
 
 
@@ -799,9 +802,6 @@ def main(teardown: ExitStack) -> None:
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
     model = checks.returned_model(build_once(args, num_classes, rank))
-    if args.channels_last:
-        # NHWC: what Tensor Core convolutions read
-        model = model.to(memory_format=torch.channels_last)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
     with ranks.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank

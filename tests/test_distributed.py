@@ -508,6 +508,11 @@ BAD_INPUTS = {
         lambda t: ["--ip", "no.such.host.invalid", "--port", free_port()],
         "; rank 0 listens there: --ip or --dist-url must be its node's address",
     ),
+    # found by tests/fuzz_flags.py: init_process_group's device_id error, which named no flag
+    "nccl without a GPU": (
+        lambda t: ["--backend", "nccl"],
+        "--backend nccl needs GPUs, and none is visible: leave it out for gloo",
+    ),
     # found by tests/fuzz_flags.py: the mode alone kept nothing, and said nothing
     "a best's mode without what it ranks": (
         lambda t: ["--keep-best-mode", "max"],

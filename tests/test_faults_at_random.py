@@ -53,13 +53,19 @@ def test_random_flags_of_every_script_train_or_end_in_one_line_naming_a_flag(cap
         ("distributed_amp.py", ["--init-scale", "0"], "error: --init-scale must be > 0"),
         ("distributed_fsdp.py", ["--init-scale", "nan"], "error: --init-scale must be > 0"),
         ("distributed_mp.py", ["--nodes", "0"], "error: --nodes and --nproc must be at least 1"),
+        (
+            "distributed_fsdp.py",
+            ["--channels-last"],
+            "error: --channels-last: FSDP shards contiguous",
+        ),
         ("distributed_mp.py", ["--nproc", "-1"], "error: --nodes and --nproc must be at least 1"),
     ],
 )
 def test_an_approachs_own_number_out_of_range_ends_in_one_line(script, flags, line, tmp_path):
     """Found by tests/fuzz_flags.py: DiLoCo's outer SGD raised PyTorch's ValueError for a negative --outer-lr, a
     scale of 0 or NaN was taken, --nodes 0 was said as "--node-rank must be in 0..-1" and --nproc -1 ended at once
-    with exit 0, having trained nothing and said nothing; each is refused in one line naming its flag."""
+    with exit 0, having trained nothing and said nothing, and FSDP's --channels-last ended in FSDP2's
+    NotImplementedError (non-contiguous parameters); each is refused in one line naming its flag."""
     result = run(python(script, *TINY, *flags, "--output-dir", tmp_path), timeout=60, check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr

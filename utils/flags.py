@@ -226,7 +226,8 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
     add(
         "--channels-last",
         action="store_true",
-        help="NHWC model and images (faster on Tensor Cores)",
+        help="NHWC model and images (faster on Tensor Cores; not with FSDP, which shards"
+        " contiguous weights only)",
     )
     add(
         "--peak-tflops",
@@ -299,6 +300,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.ema is not None and not 0 <= args.ema < 1:
         message = "the average spans about 1 / (1 - DECAY) steps"
         raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs GPUs, and none is visible: leave it out for gloo")
     if args.compile_mode is not None:
         args.compile = True
     if args.keep_best_mode is not None and args.keep_best is None:
