@@ -634,3 +634,25 @@ def test_what_cannot_be_kept_exact_ends_every_rank_with_one_line(case, tmp_path)
     )
     ends_every_rank_with(result, line, ranks=2)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_sampler_past_the_set_and_a_metric_that_is_no_metric_are_one_line_each():
+    """Found by trying a user's slips by hand: a sampler over another set's length ended a rank in the dataset's
+    IndexError (at the start-up check or mid-epoch), and a plain function among build_metrics' values in an
+    AttributeError. Each is a UsageError, which the scripts say in one line on every rank (a batch read in a worker
+    too: stops.next_batch)."""
+    from utils import samplers, scores
+
+    points = torch.utils.data.TensorDataset(torch.randn(4, 8))
+    assert samplers.Batches(points)[[(3, 0)]][0][0].shape == (8,)
+    with pytest.raises(samplers.UsageError) as error:
+        samplers.Batches(points)[[(0, 0), (9, 0)]]
+    assert str(error.value) == (
+        "build_sampler drew index 9, outside the training set's 4 samples: draw from range(len(train_set))"
+    )
+    with pytest.raises(scores.UsageError) as error:
+        scores.UserMetrics({"f1": lambda outputs, targets: 0.5}, torch.device("cpu"))
+    assert str(error.value) == (
+        "build_metrics' 'f1' is a function: give a torchmetrics Metric, which counts every validation sample once"
+        " over all ranks"
+    )

@@ -271,8 +271,8 @@ def first_samples(loader: DataLoader, n: int) -> list:
     # A share of nothing (a validation sampler with no index) takes the first of the set.
     indices = loader.sampler or range(len(loader.dataset))
     dataset = loader.dataset
-    # A user's sampler's shares are lists of (index, repeat) (samplers.Batches reads them).
+    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
     if isinstance(dataset, Batches):
         drawn = itertools.chain.from_iterable(indices)
-        indices, dataset = (index for index, _ in drawn), dataset.dataset
+        return [dataset.read(index, repeat) for index, repeat in itertools.islice(drawn, n)]
     return [dataset[i] for i in itertools.islice(indices, n)]

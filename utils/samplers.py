@@ -154,6 +154,12 @@ class Batches(Dataset):
         return [self.read(index, repeat) for index, repeat in drawn]
 
     def read(self, index: int, repeat: int):
+        # a sampler over another set's length: one line, not the dataset's IndexError mid-epoch
+        if not 0 <= index < len(self.dataset):
+            raise UsageError(
+                f"build_sampler drew index {index}, outside the training set's"
+                f" {len(self.dataset)} samples: draw from range(len(train_set))"
+            )
         if repeat and isinstance(self.dataset, SampleSeeds):
             return self.dataset.read(index, repeat)
         return self.dataset[index]

@@ -33,6 +33,13 @@ class UserMetrics:
                     " torchmetrics Metrics, or a MetricCollection"
                 )
             metrics = {"": metrics}
+        # torchmetrics' Metric is a Module: a plain function cannot be gathered over the ranks
+        for name, metric in metrics.items():
+            if not isinstance(metric, torch.nn.Module):
+                raise UsageError(
+                    f"build_metrics' {name!r} is a {type(metric).__name__}: give a torchmetrics"
+                    " Metric, which counts every validation sample once over all ranks"
+                )
         self.metrics = {name: metric.to(device) for name, metric in metrics.items()}
         self.device = device
 
