@@ -120,10 +120,8 @@ def parse_args():
         default=None,
         help="processes on this node (default: one per GPU, or 1 without GPUs)",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="number of machines (default: 1)")
-    parser.add_argument(
-        "--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1 (default: 0)"
-    )
+    parser.add_argument("--nodes", type=int, default=1, help="number of machines")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
     args = parser.parse_args()
     flags.check_args(args)
     if args.nodes < 1 or (args.nproc is not None and args.nproc < 1):

@@ -193,6 +193,8 @@ def test_every_flag_says_its_default_and_its_choices_as_the_code_has_them():
             if name in ("h", "help"):
                 continue
             assert "default" in text, (script, text)
+            # argparse adds its own where the help states none: never both
+            assert text.count("(default: ") <= 1, (script, text)
             stated = re.search(r"\(default: ([^ ()]+)\)$", text)
             choices = re.match(r"\S+ \{([^}]*)\}", text)
             if stated and values.get(name) is not None:
