@@ -528,6 +528,8 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_ends_with_one_clear_line(case, tmp_path):
     make_args, expected = BAD_INPUTS[case]
+    if case == "nccl without a GPU" and torch.cuda.is_available():
+        pytest.skip("nccl is the default with a GPU")
     env = {"RANK": "1", "WORLD_SIZE": "2"} if "rendezvous" in case else {}
     if "address" in case:  # rank 0 listens on it
         env = {"RANK": "0", "WORLD_SIZE": "2"}
