@@ -287,7 +287,7 @@ def test_what_a_stream_cannot_do_ends_every_rank_with_one_line(tmp_path):
             1,
             STREAM,
             {},
-            "error: collate cannot batch its samples (stack expects each tensor to be equal size",
+            "error: collate cannot batch its samples: stack expects each tensor to be equal size",
         ),
     }
     started = {

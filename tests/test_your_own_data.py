@@ -576,8 +576,8 @@ def test_a_batch_collate_cannot_make_mid_epoch_is_one_line_and_your_own_error_yo
     with pytest.raises(errors.UsageError) as error:
         next(read)
     assert re.fullmatch(
-        r"collate cannot batch its samples \((stack expects each tensor to be equal size|Trying to resize storage"
-        r" that is not resizable)[^\n]*, at your_collate \(test_your_own_data.py:\d+\)\): pad them",
+        r"collate cannot batch its samples: (stack expects each tensor to be equal size|Trying to resize storage"
+        r" that is not resizable)[^\n]*, at your_collate \(test_your_own_data.py:\d+\); pad them",
         str(error.value),
     ), str(error.value)
     with pytest.raises(ValueError, match="your own collate's error"):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .errors import LIBRARIES, OURS, UsageError, called_from, first_line, raised_in
+from .errors import OURS, UsageError, raised_in, refused_as_one_line
 from .internals import tree_map_only
 from .ranks import all_reduce, share, world_size
 from .samplers import Batches
@@ -24,17 +24,12 @@ from .samplers import Batches
 class Counted(functools.partial):
     """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples;
     picklable. What a library refuses in collate (default_collate: samples of two sizes) is one
-    line at the user's line, at the start-up check or mid-epoch, in a worker or not; an error
-    collate raises itself is the user's, traceback and all."""
+    line at the user's line, at the start-up check or mid-epoch, in a worker or not
+    (errors.refused_as_one_line); an error collate raises itself is the user's."""
 
     def __call__(self, samples: list) -> tuple[int, object]:
-        try:
+        with refused_as_one_line("collate cannot batch its samples", then="; pad them"):
             return len(samples), super().__call__(samples)
-        except (RuntimeError, ValueError, TypeError, IndexError, KeyError) as e:
-            if not raised_in(e, *LIBRARIES):
-                raise
-            what = f"{first_line(e)}{called_from(e)}"
-            raise UsageError(f"collate cannot batch its samples ({what}): pad them") from None
 
 
 def forward(model: nn.Module, inputs):

@@ -5,7 +5,6 @@ weights before anything is saved.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import pickle
 import tempfile
@@ -20,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .batches import batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
-from .errors import LIBRARIES, UsageError, called_from, first_line, raised_in
+from .errors import UsageError, first_line, refused_as_one_line
 from .ranks import errors_shared_by_all_ranks, local_shard
 
 
@@ -164,19 +163,6 @@ def first_step_flops(
         if "convolution" in str(op)
     )
     return flops / samples, convolutions / max(flops, 1)
-
-
-@contextlib.contextmanager
-def refused_as_one_line(what: str):
-    """A library's refusal inside (torch's: a layer's shapes, a loss's dtypes) as one line, what
-    and its words at the user's line that called it; an error the user's code raised itself is
-    theirs, traceback and all."""
-    try:
-        yield
-    except (RuntimeError, ValueError, AssertionError, TypeError, IndexError) as e:
-        if not raised_in(e, *LIBRARIES):
-            raise
-        raise UsageError(f"{what}: {first_line(e)}{called_from(e)}") from None
 
 
 def check_draws_reach(dataset) -> None:

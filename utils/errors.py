@@ -61,6 +61,19 @@ def called_from(error: BaseException) -> str:
     return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
 
 
+@contextlib.contextmanager
+def refused_as_one_line(what: str, then: str = ""):
+    """A library's refusal inside (torch's: a layer's shapes, a loss's dtypes, default_collate's
+    sizes) as one line: what, its words at the user's line that called it, then; an error the
+    user's code raised itself is theirs, traceback and all."""
+    try:
+        yield
+    except (RuntimeError, ValueError, AssertionError, TypeError, IndexError, KeyError) as e:
+        if not raised_in(e, *LIBRARIES):
+            raise
+        raise UsageError(f"{what}: {first_line(e)}{called_from(e)}{then}") from None
+
+
 class Stopped(Exception):
     """Stopped by a signal after a step all ranks agreed on, and saved there."""
 
