@@ -60,20 +60,23 @@ def test_a_float32_peak_follows_the_precision_its_matmuls_and_convolutions_run_i
     against TF32's (cuDNN's default); a model of both, each part at its own peak; bfloat16 as the table gives it."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    assert peaks.peak_tflops(cuda, torch.float32, None, 1, 0.0) == 67.0
-    assert peaks.peak_tflops(cuda, torch.float32, None, 1, 1.0) == 494.5
-    assert peaks.peak_tflops(cuda, torch.float32, None, 2, 0.9) == pytest.approx(
-        2 / (0.9 / 494.5 + 0.1 / 67)
-    )
-    assert peaks.peak_tflops(cuda, torch.bfloat16, None, 1, 0.9) == 989.5
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    # PyTorch's switches set and put back by hand: cuBLAS's comes from its module's __getattr__, which
+    # pytest 9.2's monkeypatch takes for no value and deletes on undo
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    previous = matmul.allow_tf32, cudnn.allow_tf32, torch.get_float32_matmul_precision()
     try:
+        matmul.allow_tf32, cudnn.allow_tf32 = False, True
+        assert peaks.peak_tflops(cuda, torch.float32, None, 1, 0.0) == 67.0
+        assert peaks.peak_tflops(cuda, torch.float32, None, 1, 1.0) == 494.5
+        assert peaks.peak_tflops(cuda, torch.float32, None, 2, 0.9) == pytest.approx(
+            2 / (0.9 / 494.5 + 0.1 / 67)
+        )
+        assert peaks.peak_tflops(cuda, torch.bfloat16, None, 1, 0.9) == 989.5
+        torch.set_float32_matmul_precision("high")
         assert peaks.peak_tflops(cuda, torch.float32, None, 1, 0.0) == 494.5
     finally:
-        torch.set_float32_matmul_precision(previous)
+        matmul.allow_tf32, cudnn.allow_tf32 = previous[:2]
+        torch.set_float32_matmul_precision(previous[2])
 
 
 def test_a_causal_language_models_start_up_flops_are_the_fields_count():
