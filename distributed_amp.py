@@ -92,7 +92,10 @@ def parse_args():
     parser = flags.build_parser(__doc__.splitlines()[0])
     # DDP's own flags
     parser.add_argument(
-        "--sync-bn", action="store_true", help="synchronise batch-norm statistics over GPUs"
+        "--sync-bn",
+        action="store_true",
+        help="batch-norm statistics over the global batch, all ranks' samples (PyTorch's"
+        " SyncBatchNorm on GPUs; on CPU processes the same over gloo)",
     )
     parser.add_argument(
         "--find-unused-parameters",
@@ -512,10 +515,14 @@ def main(teardown: ExitStack) -> None:
     flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
+    # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
     if args.sync_bn:
-        if device.type != "cuda":
-            raise UsageError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm has no CPU kernel")
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:  # PyTorch's SyncBatchNorm has no CPU kernel: the same statistics over gloo
+            from utils import batch_norm
+
+            model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(

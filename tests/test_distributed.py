@@ -490,7 +490,6 @@ BAD_INPUTS = {
         other_arch_checkpoint,
         "was written with --arch tiny, not --arch resnet18",
     ),
-    "sync-bn on cpu": (lambda t: ["--sync-bn"], "--sync-bn needs GPUs"),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
     # found by tests/fuzz_flags.py: PyTorch's own ValueError and KeyError, each a traceback
     "negative momentum": (lambda t: ["--momentum", "-1"], "--lr and --momentum must be >= 0"),

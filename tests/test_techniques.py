@@ -21,6 +21,7 @@ from processes import (
     metrics,
     python,
     run,
+    run_parallel,
     steps,
     torchrun,
     weights,
@@ -205,3 +206,60 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
         records["val_loss"] == pytest.approx(float(weights["0.weight"].sum()))
         and "val_images_ema" not in records
     )
+
+
+# a user's model with batch norm in 2-D and 1-D, smooth activations and no max-pool (so that float32 rounding flips
+# no gradient between world sizes)
+YOUR_BATCH_NORM = """
+def build_datasets(args):
+    from utils import builtin
+
+    return builtin.datasets(args)
+
+
+def build_model(args, num_classes):
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2),
+        nn.BatchNorm2d(8),
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(8 * 7 * 7, 16),
+        nn.BatchNorm1d(16),
+        nn.GELU(),
+        nn.Linear(16, num_classes),
+    )
+
+
+def compute_loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+"""
+BATCH_NORM_JOB = [*TINY, "--batch-size", "64", "--epochs", "2", "--no-augment"]
+
+
+def test_sync_bn_on_cpu_processes_trains_on_2_and_3_what_1_does(tmp_path):
+    """--sync-bn on gloo: a batch-norm model on 2 processes and on 3 (parts 22/21/21 of 64) ends with the weights and
+    running statistics of 1 process (1e-5), and records its validation loss; without --sync-bn, 2 processes train
+    another model (each rank's statistics over its own part)."""
+    from test_your_own_data import copy_with_your_functions, launch
+
+    copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_BATCH_NORM)
+    outs = {(n, sync): tmp_path / f"{n}p-{sync}" for n, sync in [(1, 1), (2, 1), (3, 1), (2, 0)]}
+    run_parallel(
+        [
+            (
+                launch(copy, n, *BATCH_NORM_JOB, *["--sync-bn"] * sync, "--output-dir", out),
+                {},
+                tmp_path,
+            )
+            for (n, sync), out in outs.items()
+        ],
+        at_once=2,
+    )
+    one = weights(outs[1, 1])
+    assert any("running_var" in key for key in one) and metrics(outs[1, 1])[-1]["val_acc"] > 0.5
+    for n in (2, 3):
+        assert max_weight_difference(outs[n, 1], outs[1, 1]) <= 1e-5, n
+        assert metrics(outs[n, 1])[-1]["val_loss"] == pytest.approx(
+            metrics(outs[1, 1])[-1]["val_loss"], abs=1e-5
+        )
+    assert max_weight_difference(outs[2, 0], outs[1, 1]) > 1e-3

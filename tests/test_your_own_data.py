@@ -847,12 +847,13 @@ def code_lines(path: Path) -> int:
 # writing thread's collectives, waited for before a stop ends the process, before the whole weights and at the end) and gather_weights, each
 # parameter's shards gathered once (a tied head too), its keys tied again. Found by the flag fuzzer (2026-11-29):
 # distributed_mp.py + 3, --nodes and --nproc refused below 1 (--nproc 0 had trained 1 process, -1 none, exit 0).
+# Issue 92: + 1 in the four DDP scripts, --sync-bn's module for CPU processes imported where it is used.
 SCRIPT_LINES = {
     "dataparallel.py": 199 + 34 + 1 + 2 + 6,
-    "distributed.py": 234 + 35 + 1 + 2 + 6,
-    "distributed_mp.py": 270 + 35 + 1 + 2 + 6 + 3,
-    "distributed_amp.py": 251 + 35 + 1 + 2 + 1 + 2 + 6,
-    "distributed_grad_accum.py": 259 + 35 + 1 + 2 + 6,
+    "distributed.py": 234 + 35 + 1 + 2 + 6 + 1,
+    "distributed_mp.py": 270 + 35 + 1 + 2 + 6 + 3 + 1,
+    "distributed_amp.py": 251 + 35 + 1 + 2 + 1 + 2 + 6 + 1,
+    "distributed_grad_accum.py": 259 + 35 + 1 + 2 + 6 + 1,
     "distributed_fsdp.py": 381 + 35 + 1 + 2 + 1 + 2 + 2 + 18,
     "distributed_diloco.py": 236 + 50 + 35 + 1 + 2 + 4 + 6,
 }
@@ -935,6 +936,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     assert sorted(listed) == sorted(modules), (listed, sorted(modules))
     budget = [1476, 43, 57, 21, 8, 30, 50, 109, 22, 213, 136, 48, 18, 35, 7, 59, 8, 35, 22]
     budget += [3 + 2, 3, 1, 22 + 3 + 2 + 5, 5]  # 2026-11-29, the last five items above
+    budget += [50]  # issue 92: batch_norm.py, --sync-bn on CPU processes over gloo
     assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= sum(budget)
     imports = {}
     for name, path in modules.items():

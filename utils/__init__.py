@@ -16,6 +16,7 @@ own utils). In the order a reader of distributed.py meets them:
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
 - batches: any batch of any task: counted, moved to the device, forwarded, its loss;
 - checks: one line before training for what would fail (the start-up step);
+- batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
 - stops: the step every rank stops after (a signal, a stream that ended, a failed write);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
