@@ -31,7 +31,7 @@ class GlobalBatchNorm(nn.Module):
     """A batch-norm layer (BatchNorm1d, 2d or 3d: its weights, statistics and state_dict keys)
     whose training statistics are all-reduced by SumOverRanks: the mean and (biased) variance of
     every rank's samples together, as one process computes them over the whole batch. Evaluation
-    normalises with the running statistics, as the layer did."""
+    is the layer's own, on each rank alone."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -43,9 +43,18 @@ class GlobalBatchNorm(nn.Module):
         self.train(layer.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and self.running_mean is not None:
+        # evaluation: the running statistics, or (none kept) this rank's batch's, with no
+        # collective, as validation shards differ in length
+        if not self.training:
+            batch_statistics = self.running_mean is None
             return F.batch_norm(
-                x, self.running_mean, self.running_var, self.weight, self.bias, eps=self.eps
+                x,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                batch_statistics,
+                0.0,
             )
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
@@ -59,7 +68,7 @@ class GlobalBatchNorm(nn.Module):
         mean = sums[:-1] / total
         centred = values - mean.view(shape)
         variance = SumOverRanks.apply(centred.square().sum(dims)) / total
-        if self.training and self.running_mean is not None:
+        if self.running_mean is not None:
             self.update_running_stats(mean.detach(), variance.detach(), total)
         normalised = centred * torch.rsqrt(variance + self.eps).view(shape)
         if self.weight is not None:
