@@ -15,8 +15,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, samplers, scores, seeds, stalls, stops, workers
+from utils import batches, checkpoints, checks, errors, flags, loops, metrics, optimizers, peaks
+from utils import profiles, ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 from utils.errors import UsageError
 from utils.ranks import log
 
-# ---- your data, model and task: replace these four bodies, nothing else (and the two after them
-# when your project samples or measures in its own way) ----
+# ---- your data, model and task: replace these four bodies (and the three after them when your
+# project samples, measures or uses a frozen model in its own way), and the step if you like ----
 
 
 def build_datasets(args):
@@ -77,6 +77,32 @@ def build_metrics(args, num_classes: int) -> dict:
     return {}
 
 
+def build_frozen(args, num_classes: int) -> dict:
+    """{}: none. Or models your train_step uses and does not train, e.g. {"teacher": ...} for
+    distillation or a DPO reference, reached as run.frozen["teacher"]: each on the device, in
+    eval mode and without gradients, in no optimizer and no saved file."""
+    return {}
+
+
+def train_step(run: Training, inputs, targets) -> dict:
+    """One optimizer step on this rank's part of the global batch: what the loop records of it (the
+    loss, the outputs its accuracy is scored on, the gradients' norm where clipped). Rewrite it for
+    a step of your own: a loss that reads the inputs, a frozen teacher (docs/your-project.md)."""
+    model, optimizer = run.model, run.optimizer
+    outputs = batches.forward(model, inputs)
+    loss = compute_loss(outputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    # loss.backward(), the loss weighted by the step's samples: exact for a (sum, count) loss; the
+    # replicas' gradients are summed onto the first GPU
+    run.backward(loss)
+    grad_norm = None
+    if run.args.clip_grad:  # the norm before clipping
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.args.clip_grad)
+    optimizer.step()
+    run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+    return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
 # ---- the approach ----
 
 
@@ -85,9 +111,7 @@ def parse_args():
     parser.add_argument(
         "--gpu", default=None, help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)"
     )
-    args = parser.parse_args()
-    flags.check_args(args)
-    return args
+    return flags.check_args(parser.parse_args())
 
 
 def select_devices(args) -> list[int]:
@@ -178,6 +202,7 @@ class Training:
 
     args: argparse.Namespace
     model: nn.Module  # nn.DataParallel over the GPUs; the module itself on the CPU
+    frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
@@ -189,79 +214,28 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
+    samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
+
+    def backward(self, loss) -> None:
+        """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
+        its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
+        the ranks' parts differ in size."""
+        batches.loss_for_backward(loss, *self.samples).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
-    args, model, optimizer = run.args, run.model, run.optimizer
-    model.train()
+    run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # the epoch told to the dataset (an image folder draws its crops from it); continued
-    # mid-epoch: the same order, without the batches already trained on
-    loader = batches.epoch_loader(run.train_loader, epoch, steps_done)
-    # continued mid-epoch: with the sums the checkpoint kept
-    meter = run.recorder.meter_for_epoch(run.device, steps_done)
-    # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = run.recorder.steps_per_epoch
-    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
-    # stops all after the same one
-    for step, (num_samples, batch) in run.stop.steps(meter.timed(loader), steps_done, steps):
-        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
-        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
-        # step), as one process draws its own for each sample
-        seeds.seed_step(args.seed, epoch, step)
-        inputs, targets = batches.batch_to_device(
-            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
-        )
-        outputs = batches.forward(model, inputs)
-        loss = compute_loss(outputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        # the step's samples: --batch-size, or what your batch sampler drew
-        step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
-        # replicas' gradients are summed onto the first GPU
-        batches.loss_for_backward(loss, num_samples, step_samples).backward()
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
-        # after this step
-        signum, last = run.stop.agreed()
-        # a record every --print-freq steps and at the end
-        recording = step % args.print_freq == 0 or last
-        # the gradients' norm before clipping
-        if args.clip_grad:
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        elif recording:  # measured only: the gradients are left as they are
-            grad_norm = nn.utils.get_total_norm(
-                p.grad for p in model.parameters() if p.grad is not None
-            )
-        optimizer.step()
+    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
+    steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
+    for inputs, targets in steps:
+        result = train_step(run, inputs, targets)
         run.ema.update()  # --ema: the average moves toward the new weights
-        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, outputs, targets, num_samples)
-        # a record every --print-freq steps; a diverged run stops here
-        if recording:
-            # the loss, accuracy and speed since the last record (one process: nothing to reduce)
-            since_record = meter.since_record()
-            lr = optimizer.param_groups[0]["lr"]
-            run.recorder.train(epoch, step, since_record, lr, grad_norm)
-        # --eval-every N: mid-epoch too (every rank)
-        if args.eval_every and step % args.eval_every == 0 and not last:
-            # not training: its time is left out of the speed and the phases
-            with meter.paused():
-                validate(run, epoch, step)
-            model.train()
-        # this point of the epoch (every rank): the same command continues from here
-        if (
-            signum
-            or run.stop.save_timer_fired()
-            or (args.save_every and step % args.save_every == 0)
-        ):
-            with meter.paused():  # its time left out of the speed too
-                save_checkpoint(run, epoch, step)
-        if signum:
-            with ranks.errors_shared_by_all_ranks():
-                run.saves.wait()  # the stop's checkpoint whole before the process ends
-            raise errors.Stopped(signum, epoch, step, steps)
-    return meter.epoch_record()  # the epoch's loss and accuracy, its time and speed
+        steps.done(result)
+    return steps.epoch_record()  # the epoch's loss and accuracy, its time and speed
 
 
 def validate(run: Training, epoch: int, step: int) -> dict:
@@ -292,13 +266,8 @@ def evaluate(run: Training) -> dict:
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     totals = meter.all_ranks()  # the sums (one process: nothing to reduce)
-    record = dict(
-        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
-    )
-    if totals.scored5:  # 5 classes or more
-        record["val_acc5"] = totals.top5_accuracy()
-    # your metrics over every sample
-    return {**record, **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes); your metrics over every sample
+    return {**totals.validation_record(), **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -355,8 +324,7 @@ def main(teardown: ExitStack) -> None:
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
-    saves = teardown.enter_context(checkpoints.Saves())
-    stop.watch(saves)
+    saves = teardown.enter_context(checkpoints.Saves(stop))
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # DataParallel splits each batch over the GPUs (torch.chunk: the last part may be smaller)
@@ -375,12 +343,13 @@ def main(teardown: ExitStack) -> None:
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     model = checks.returned_model(build_model(args, num_classes))
-    if args.channels_last:
-        # NHWC: what Tensor Core convolutions read
-        model = model.to(memory_format=torch.channels_last)
-    model = model.to(device)
+    # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
+    # and every saved file
+    frozen = checks.frozen_models(build_frozen(args, num_classes), device)
+    # --channels-last: NHWC, what Tensor Core convolutions read
+    model = model.to(device, memory_format=flags.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions = checks.first_step_flops(
+    flops_per_sample, convolutions, _ = checks.first_step_flops(
         model,
         train_loader,
         compute_loss,
@@ -418,6 +387,7 @@ def main(teardown: ExitStack) -> None:
     run = Training(
         args=args,
         model=model,
+        frozen=frozen,
         optimizer=optimizer,
         scheduler=scheduler,
         ema=ema,
@@ -432,27 +402,24 @@ def main(teardown: ExitStack) -> None:
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"
-    state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch, steps_done = 0, 0
-    if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, steps_done = checkpoints.restore(
-            state,
-            checkpoint_path,
-            args,
-            model=ranks.unwrap(model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            records=recorder,
-            ema=ema,
-        )
-    with ranks.errors_shared_by_all_ranks():
-        if rank == 0:  # what the checkpoint holds: the records after it are written again
-            recorder.start(start_epoch, steps_done)
+    # the same command continues from the checkpoint, and says so: rank 0 reads it, every rank
+    # receives it
+    start_epoch, steps_done = checkpoints.restore(
+        checkpoints.load_checkpoint_everywhere(checkpoint_path, rank),
+        checkpoint_path,
+        args,
+        model=ranks.unwrap(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        records=recorder,
+        ema=ema,
+    )
+    recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        record = train_one_epoch(run, epoch, steps_done)
-        steps_done = 0
+        # continued mid-epoch: the steps its first epoch had done
+        record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
         record = dict(

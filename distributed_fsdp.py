@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, internals, metrics, optimizers
+from utils import batches, checkpoints, checks, errors, flags, internals, loops, metrics, optimizers
 from utils import peaks, profiles, ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
@@ -53,8 +53,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 from utils.errors import UsageError
 from utils.ranks import log
 
-# ---- your data, model and task: replace these four bodies, nothing else (and the two after them
-# when your project samples or measures in its own way) ----
+# ---- your data, model and task: replace these four bodies (and the three after them when your
+# project samples, measures or uses a frozen model in its own way), and the step if you like ----
 
 
 def build_datasets(args):
@@ -106,6 +106,45 @@ def build_metrics(args, num_classes: int) -> dict:
     return {}
 
 
+def build_frozen(args, num_classes: int) -> dict:
+    """{}: none. Or models your train_step uses and does not train, e.g. {"teacher": ...} for
+    distillation or a DPO reference, reached as run.frozen["teacher"]: each on the device, in
+    eval mode and without gradients, in no optimizer and no saved file."""
+    return {}
+
+
+def train_step(run: Training, inputs, targets) -> dict:
+    """One optimizer step on this rank's part of the global batch: what the loop records of it (the
+    loss, the outputs its accuracy is scored on, the gradients' norm). Rewrite it for
+    a step of your own (docs/your-project.md), keeping GradScaler's calls: run.backward() scales the
+    loss, so the gradients are unscaled before clipping, and scaler.step() and scaler.update()
+    take the optimizer's step."""
+    model, optimizer, scaler = run.model, run.optimizer, run.scaler
+    outputs = batches.forward(model, inputs)
+    loss = compute_loss(outputs, targets)
+    # loss.backward() of the scaled loss, weighted by this rank's part of the batch: exact for a
+    # (sum, count) loss and for parts of unequal size; FSDP reduce-scatters each block's gradients
+    # meanwhile: every rank keeps the mean gradient of its own shard
+    run.backward(loss)
+    scaler.unscale_(optimizer)  # the true gradients clipped and measured, not the scaled ones
+    # the norm before clipping, over all shards (a DTensor, all-reduced where it is recorded)
+    if run.args.clip_grad:
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.args.clip_grad)
+    else:  # measured only: the gradients are left as they are
+        grad_norm = nn.utils.get_total_norm(
+            p.grad for p in model.parameters() if p.grad is not None
+        )
+    # each rank updates its shard; float16: skipped on every rank if one overflowed; the
+    # optimizer's phase, also of a step GradScaler skips (its step hook would not run)
+    run.recorder.phases.enter(profiles.OPTIMIZER)
+    scaler.step(optimizer)
+    scaler.update()
+    # freed now: the next forward, validation and saves need no gradients
+    optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+    return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
 # ---- the approach ----
 
 
@@ -152,8 +191,7 @@ def parse_args():
         metavar="N",
         help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)",
     )
-    args = parser.parse_args()
-    flags.check_args(args)
+    args = flags.check_args(parser.parse_args())
     if not args.init_scale > 0:
         parser.error("--init-scale must be > 0")
     # FSDP2 shards contiguous parameters only, and channels_last weights are not
@@ -164,36 +202,22 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
-    ranks.ranks_from_slurm(args.port)
-    env = os.environ
-    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
+    rank, local_rank, world_size = ranks.from_environment(args)
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(
-                f"local rank {local_rank}, but this node has "
-                f"{torch.cuda.device_count()} GPUs: start one process per GPU"
-            )
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        ranks.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+        ranks.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     # offloaded gradients: their norm is all-reduced on the CPU
     if args.cpu_offload and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
-    if args.dist_url:
-        init_method = args.dist_url
-    elif args.ip or args.port:
-        init_method = f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
-    elif "MASTER_ADDR" in env:
-        init_method = "env://"  # torchrun, torch.distributed.launch, Slurm
-    else:
-        init_method = None  # plain `python distributed.py`: a world of one
+    # --dist-url, --ip and --port, env:// under torchrun; else a store of this process's own
+    init_method = ranks.init_method(args)
     timeout = timedelta(seconds=args.timeout)
-    try:
+    with ranks.init_errors_as_one_line(init_method):
         store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
@@ -205,8 +229,6 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             timeout=timeout + stalls.GRACE,
             device_id=device if "nccl" in backend else None,
         )
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        raise UsageError(ranks.describe_init_error(e, init_method or "local store")) from None
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
     if device.type == "cpu":
         average = torch.zeros(1)
@@ -432,6 +454,7 @@ class Training:
 
     args: argparse.Namespace
     model: nn.Module  # its blocks and itself sharded by fully_shard
+    frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # float16: the loss scale; off otherwise
@@ -445,89 +468,29 @@ class Training:
     save_group: dist.ProcessGroup  # the sharded save's collectives, run by the writing thread
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
+
+    def backward(self, loss) -> None:
+        """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
+        its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
+        the ranks' parts differ in size."""
+        self.scaler.scale(batches.loss_for_backward(loss, *self.samples)).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
-    args, model, optimizer, scaler = run.args, run.model, run.optimizer, run.scaler
-    model.train()
+    run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # the epoch told to the dataset (an image folder draws its crops from it); continued
-    # mid-epoch: the same order, without the batches already trained on
-    loader = batches.epoch_loader(run.train_loader, epoch, steps_done)
-    # continued mid-epoch: with the sums the checkpoint kept
-    meter = run.recorder.meter_for_epoch(run.device, steps_done)
-    # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = run.recorder.steps_per_epoch
-    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
-    # stops all after the same one
-    for step, (num_samples, batch) in run.stop.steps(meter.timed(loader), steps_done, steps):
-        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
-        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
-        # step), as one process draws its own for each sample
-        seeds.seed_step(args.seed, epoch, step)
-        inputs, targets = batches.batch_to_device(
-            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
-        )
-        outputs = batches.forward(model, inputs)
-        loss = compute_loss(outputs, targets)
-        # all ranks' samples in this step: --batch-size, or what your batch sampler drew
-        step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
-        # a (sum, count) pair over the count of all ranks; FSDP reduce-scatters each block's
-        # gradients here: every rank keeps the mean gradient of its own shard
-        scaler.scale(batches.loss_for_backward(loss, num_samples, step_samples)).backward()
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
-        # after this step
-        signum, last = run.stop.agreed()
-        # a record every --print-freq steps and at the end
-        recording = step % args.print_freq == 0 or last
-        if args.clip_grad or recording:
-            scaler.unscale_(optimizer)  # clip and record the true gradients, not the scaled ones
-        # the norm before clipping, over all shards (a DTensor)
-        if args.clip_grad:
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        elif recording:  # measured only: the gradients are left as they are
-            grad_norm = nn.utils.get_total_norm(
-                p.grad for p in model.parameters() if p.grad is not None
-            )
-        # each rank updates its shard; float16: skipped on every rank if one overflowed
-        # the optimizer's phase, also of a step GradScaler skips (its step hook would not run)
-        run.recorder.phases.enter(profiles.OPTIMIZER)
-        scaler.step(optimizer)
-        scaler.update()
+    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
+    steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
+    for inputs, targets in steps:
+        result = train_step(run, inputs, targets)
         run.ema.update()  # --ema: the average of each rank's own shards moves toward them
-        # freed now: the next forward, validation and saves need no gradients
-        optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        meter.update(loss, outputs, targets, num_samples)
-        # a record every --print-freq steps; a diverged run stops here
-        if recording:
-            # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
-            since_record = meter.since_record()
-            lr = optimizer.param_groups[0]["lr"]
-            # all shards' norm (a collective: every rank)
-            run.recorder.train(epoch, step, since_record, lr, grad_norm.full_tensor())
-        # --eval-every N: mid-epoch too (every rank)
-        if args.eval_every and step % args.eval_every == 0 and not last:
-            # not training: its time is left out of the speed and the phases
-            with meter.paused():
-                validate(run, epoch, step)
-            model.train()
-        # this point of the epoch (every rank): the same command continues from here
-        if (
-            signum
-            or run.stop.save_timer_fired()
-            or (args.save_every and step % args.save_every == 0)
-        ):
-            with meter.paused():  # its time left out of the speed too
-                save_checkpoint(run, epoch, step, final=bool(signum))
-        if signum:
-            with ranks.errors_shared_by_all_ranks():
-                run.saves.wait()  # the stop's checkpoint whole before the process ends
-            raise errors.Stopped(signum, epoch, step, steps)
+        steps.done(result)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
-    return meter.epoch_record()
+    return steps.epoch_record()
 
 
 def validate(run: Training, epoch: int, step: int) -> dict:
@@ -573,13 +536,9 @@ def evaluate(run: Training) -> dict:
     # the root keeps its weights gathered after forward, for a backward: free them
     ranks.unwrap(run.model).reshard()
     totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
-    record = dict(
-        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
-    )
-    if totals.scored5:  # 5 classes or more
-        record["val_acc5"] = totals.top5_accuracy()
-    # all-gathers, every rank: your metrics over all ranks' samples
-    return {**record, **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
+    # ranks' samples
+    return {**totals.validation_record(), **run.val_metrics.compute()}
 
 
 def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGroup) -> None:
@@ -685,9 +644,10 @@ def training_state(run: Training) -> dict:
 def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -> None:
     """Epochs done, and steps done in the next: every rank's shards, copied to host memory and
     written while training goes on (collectives in the writing thread). Final: the whole weights
-    too, gathered on rank 0 (model.pt, hf/, model_ema.pt). A full disk, or weights that are no
-    longer finite, end every rank."""
+    too, gathered on rank 0 (model.pt, hf/, model_ema.pt), as at a stop by a signal. A full disk,
+    or weights that are no longer finite, end every rank."""
     args, module, watchdog = run.args, ranks.unwrap(run.model), run.watchdog
+    final = final or bool(run.stop.agreed()[0])  # SIGTERM or SIGUSR1 on a rank: the run stops
     rank, output_dir = dist.get_rank(), Path(args.output_dir)
     # agreed before the sharded save, a collective, begins: never NaN over the last good checkpoint
     with ranks.errors_shared_by_all_ranks():
@@ -758,9 +718,8 @@ def main(teardown: ExitStack) -> None:
     # every rank's shards written by a thread while training goes on, its collectives over a
     # group of their own (the CPU's): a failed write ends every rank at the next step; the run
     # ends once they are written
-    saves = teardown.enter_context(checkpoints.Saves())
+    saves = teardown.enter_context(checkpoints.Saves(stop))
     save_group = dist.new_group(backend="gloo")
-    stop.watch(saves)
     # each rank's part of every global batch: equal, or within one sample of the others'
     split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
     batch_per_rank = ranks.share(args.batch_size, rank, world_size)
@@ -802,6 +761,9 @@ def main(teardown: ExitStack) -> None:
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
     model = checks.returned_model(build_once(args, num_classes, rank))
+    # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
+    # and every saved file
+    frozen = checks.frozen_models(build_frozen(args, num_classes), device)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
     with ranks.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
@@ -823,7 +785,7 @@ def main(teardown: ExitStack) -> None:
         dist.broadcast(buffer, 0)
     del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions = checks.first_step_flops(
+    flops_per_sample, convolutions, _ = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=True
     )
     if args.compile:
@@ -858,6 +820,7 @@ def main(teardown: ExitStack) -> None:
     run = Training(
         args=args,
         model=model,
+        frozen=frozen,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
@@ -883,14 +846,12 @@ def main(teardown: ExitStack) -> None:
         start_epoch, steps_done = checkpoints.restore(
             state, path, args, scheduler=scheduler, scaler=scaler, records=recorder, ema=ema
         )
-    with ranks.errors_shared_by_all_ranks():
-        if rank == 0:  # what the checkpoint holds: the records after it are written again
-            recorder.start(start_epoch, steps_done)
+    recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        record = train_one_epoch(run, epoch, steps_done)
-        steps_done = 0
+        # continued mid-epoch: the steps its first epoch had done
+        record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
         record = dict(

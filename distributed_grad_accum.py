@@ -19,8 +19,9 @@ from datetime import timedelta
 from pathlib import Path
 
 # first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, metrics, optimizers, peaks, profiles
-from utils import ranks, samplers, scores, seeds, stalls, stops, workers
+from utils import batch_norm, batches, checkpoints, checks, errors, flags, loops, metrics
+from utils import optimizers, peaks, profiles, ranks, samplers, scores, seeds, stalls, stops
+from utils import workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,8 +32,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 from utils.errors import UsageError
 from utils.ranks import log
 
-# ---- your data, model and task: replace these four bodies, nothing else (and the two after them
-# when your project samples or measures in its own way) ----
+# ---- your data, model and task: replace these four bodies (and the three after them when your
+# project samples, measures or uses a frozen model in its own way), and the step if you like ----
 
 
 def build_datasets(args):
@@ -84,30 +85,63 @@ def build_metrics(args, num_classes: int) -> dict:
     return {}
 
 
+def build_frozen(args, num_classes: int) -> dict:
+    """{}: none. Or models your train_step uses and does not train, e.g. {"teacher": ...} for
+    distillation or a DPO reference, reached as run.frozen["teacher"]: each on the device, in
+    eval mode and without gradients, outside DDP, the optimizer and every saved file."""
+    return {}
+
+
+def train_step(run: Training, micro_batches) -> dict:
+    """One optimizer step over this rank's K micro-batches, each (inputs, targets, samples), whose
+    losses and accuracy are recorded as they come; returns the gradients' norm where clipped.
+    Rewrite it for a step of your own: a loss that reads the inputs, a frozen teacher
+    (docs/your-project.md)."""
+    model, optimizer = run.model, run.optimizer
+    optimizer.zero_grad(set_to_none=True)
+    items = 0  # of a (sum, count) loss: the count of this step's micro-batches so far
+    for i, (inputs, targets, samples) in enumerate(micro_batches, 1):
+        # DDP all-reduces in the last micro-batch's backward only; no_sync() covers forward too:
+        # DDP prepares its all-reduce there
+        synced = i == run.args.accum_steps or run.args.sync_every_micro_batch
+        with nullcontext() if synced else model.no_sync():
+            outputs = batches.forward(model, inputs)
+            loss = compute_loss(outputs, targets)
+            # loss.backward(), weighted so that the micro-batches' gradients add up to the whole
+            # batch's mean
+            items = items + run.backward(loss, samples)
+        run.recorder.meter.update(loss, outputs, targets, samples)
+    # a (sum, count) loss: the gradients divided by all ranks' count (one small all-reduce)
+    if not isinstance(loss, torch.Tensor):
+        divide_by_items(model, items, run.samples[1])
+    grad_norm = None
+    if run.args.clip_grad:  # the norm before clipping (all ranks hold the same gradients)
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.args.clip_grad)
+    optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
+    run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
+    return dict(grad_norm=grad_norm)
+
+
+@torch.no_grad()
+def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
+    """The gradients of the loss sums divided by the samples of the step (DDP averaged the ranks')
+    made those of the sum divided by the items of all ranks and micro-batches: one small
+    all-reduce of the count.
+    """
+    items = batches.count_to_device(items, next(model.parameters()).device)
+    dist.all_reduce(items)
+    factor = (step_samples / items.clamp(min=1)).float()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
 # ---- the approach ----
 
 
 def parse_args():
     parser = flags.build_parser(__doc__.splitlines()[0])
-    # DDP's own flags
-    parser.add_argument(
-        "--sync-bn",
-        action="store_true",
-        help="batch-norm statistics over the global batch, all ranks' samples (PyTorch's"
-        " SyncBatchNorm on GPUs; on CPU processes the same over gloo)",
-    )
-    parser.add_argument(
-        "--find-unused-parameters",
-        action="store_true",
-        help="allow parameters without a gradient in some steps",
-    )
-    parser.add_argument(
-        "--comm-hook",
-        choices=["bf16"],
-        default=None,
-        help="all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook;"
-        " default: float32 as they are)",
-    )
+    flags.add_ddp_flags(parser)  # --sync-bn, --find-unused-parameters, --comm-hook
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(
         "--local-rank",
@@ -124,8 +158,7 @@ def parse_args():
         action="store_true",
         help="all-reduce after every micro-batch, as without no_sync (slower; to compare)",
     )
-    args = parser.parse_args()
-    flags.check_args(args)
+    args = flags.check_args(parser.parse_args())
     if args.accum_steps < 1:
         parser.error("--accum-steps must be at least 1")
     return args
@@ -133,33 +166,19 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
-    ranks.ranks_from_slurm(args.port)
-    env = os.environ
-    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
+    rank, local_rank, world_size = ranks.from_environment(args)
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(
-                f"local rank {local_rank}, but this node has "
-                f"{torch.cuda.device_count()} GPUs: start one process per GPU"
-            )
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        ranks.set_cpu_threads(int(env.get("LOCAL_WORLD_SIZE", world_size)))
+        ranks.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
-    if args.dist_url:
-        init_method = args.dist_url
-    elif args.ip or args.port:
-        init_method = f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
-    elif "MASTER_ADDR" in env:
-        init_method = "env://"  # torchrun, torch.distributed.launch, Slurm
-    else:
-        init_method = None  # plain `python distributed.py`: a world of one
+    # --dist-url, --ip and --port, env:// under torchrun; else a store of this process's own
+    init_method = ranks.init_method(args)
     timeout = timedelta(seconds=args.timeout)
-    try:
+    with ranks.init_errors_as_one_line(init_method):
         store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
@@ -171,8 +190,6 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             timeout=timeout + stalls.GRACE,
             device_id=device if backend == "nccl" else None,
         )
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        raise UsageError(ranks.describe_init_error(e, init_method or "local store")) from None
     return rank, local_rank, world_size, device
 
 
@@ -275,6 +292,7 @@ class Training:
 
     args: argparse.Namespace
     model: nn.Module  # wrapped in DDP
+    frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
@@ -286,112 +304,36 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
+    samples: tuple[int | None, int] = (None, 0)  # the step's: all ranks' in [1]
+
+    def backward(self, loss, samples: int) -> torch.Tensor | int:
+        """loss.backward() of a micro-batch: compute_loss's mean weighted by the micro-batch's part
+        of the step's samples (x world size: DDP averages the ranks'), so that the gradients add up
+        to the whole batch's mean, even parts or not; a (sum, count): its sum so, and its count
+        returned, to divide by once the step's is known."""
+        weight = dist.get_world_size() / self.samples[1]
+        if isinstance(loss, torch.Tensor):
+            (loss * (samples * weight)).backward()
+            return 0
+        (loss[0] * weight).backward()
+        return loss[1]
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
-    args, model, optimizer = run.args, run.model, run.optimizer
-    model.train()
+    run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # the epoch told to the dataset (an image folder draws its crops from it); continued
-    # mid-epoch: the same order, without the batches already trained on
-    loader = batches.epoch_loader(run.train_loader, epoch, steps_done * args.accum_steps)
-    # continued mid-epoch: with the sums the checkpoint kept
-    meter = run.recorder.meter_for_epoch(run.device, steps_done)
-    k = args.accum_steps
-    # --steps-per-epoch may cut an epoch, and a stream end it sooner
-    steps = run.recorder.steps_per_epoch
-    # K micro-batches a step (zip drops a remainder, which would make a smaller step); every rank
-    # takes the same steps: a stream that ends unevenly stops all after the same one
-    for step, micro_batches in run.stop.steps(zip(*[meter.timed(loader)] * k), steps_done, steps):
-        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
-        # step), as one process draws its own for each sample
-        seeds.seed_step(args.seed, epoch, step)
-        items = 0  # of a (sum, count) loss: the count of this step's micro-batches so far
-        # all ranks' samples in this step: --batch-size, or what your batch sampler drew
-        step_samples = samplers.samples_in_step(run.train_loader.sampler, step, args.batch_size)
-        for micro_step, (num_samples, batch) in enumerate(micro_batches, (step - 1) * k + 1):
-            run.watchdog.batch(epoch, micro_step)  # progress: the watchdog times the steps
-            inputs, targets = batches.batch_to_device(
-                batch, run.device, loader.dataset, args.channels_last, key=(epoch, micro_step)
-            )
-            # no_sync covers forward too: DDP prepares its all-reduce during forward
-            with (
-                nullcontext()
-                if micro_step % k == 0 or args.sync_every_micro_batch
-                else model.no_sync()
-            ):
-                outputs = batches.forward(model, inputs)
-                loss = compute_loss(outputs, targets)
-                # each micro-batch's mean weighted by its share of the step's batch (x world size:
-                # DDP averages the ranks'): the sum is the whole batch's mean, even shares or not
-                if isinstance(loss, torch.Tensor):
-                    (loss * (num_samples * dist.get_world_size() / step_samples)).backward()
-                # (sum, count): the step's count is known after its last micro-batch; divided by it
-                # below
-                else:
-                    (loss[0] * (dist.get_world_size() / step_samples)).backward()
-                    items = items + loss[1]
-            meter.update(loss, outputs, targets, num_samples)
-        if not isinstance(loss, torch.Tensor):
-            divide_by_items(model, items, step_samples)
-        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
-        # after this step
-        signum, last = run.stop.agreed()
-        # a record every --print-freq steps and at the end
-        recording = step % args.print_freq == 0 or last
-        # the gradients' norm before clipping (all ranks hold the same gradients)
-        if args.clip_grad:
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        elif recording:  # measured only: the gradients are left as they are
-            grad_norm = nn.utils.get_total_norm(
-                p.grad for p in model.parameters() if p.grad is not None
-            )
-        optimizer.step()  # DDP all-reduced the summed gradients in the last backward()
+    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
+    k = run.args.accum_steps
+    steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint, micro_batches=k)
+    for micro_batches in steps:
+        result = train_step(run, micro_batches)
         run.ema.update()  # --ema: the average moves toward the new weights
-        run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
-        optimizer.zero_grad(set_to_none=True)
-        # a record every --print-freq steps; a diverged run stops here
-        if recording:
-            # all-reduce, every rank: all ranks' loss, accuracy and speed since the last record
-            since_record = meter.since_record()
-            lr = optimizer.param_groups[0]["lr"]
-            run.recorder.train(epoch, step, since_record, lr, grad_norm)
-        # --eval-every N: mid-epoch too (every rank)
-        if args.eval_every and step % args.eval_every == 0 and not last:
-            # not training: its time is left out of the speed and the phases
-            with meter.paused():
-                validate(run, epoch, step)
-            model.train()
-        # this point of the epoch (every rank): the same command continues from here
-        if (
-            signum
-            or run.stop.save_timer_fired()
-            or (args.save_every and step % args.save_every == 0)
-        ):
-            with meter.paused():  # its time left out of the speed too
-                save_checkpoint(run, epoch, step)
-        if signum:
-            with ranks.errors_shared_by_all_ranks():
-                run.saves.wait()  # the stop's checkpoint whole before the process ends
-            raise errors.Stopped(signum, epoch, step, steps)
+        steps.done(result)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
-    return meter.epoch_record()
-
-
-@torch.no_grad()
-def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
-    """The gradients of the loss sums divided by the samples of the step (DDP averaged the ranks')
-    made those of the sum divided by the items of all ranks and micro-batches: one small
-    all-reduce of the count.
-    """
-    items = batches.count_to_device(items, next(model.parameters()).device)
-    dist.all_reduce(items)
-    factor = (step_samples / items.clamp(min=1)).float()
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    return steps.epoch_record()
 
 
 def validate(run: Training, epoch: int, step: int) -> dict:
@@ -425,13 +367,9 @@ def evaluate(run: Training) -> dict:
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
-    record = dict(
-        val_loss=totals.mean_loss(), val_acc=totals.accuracy(), val_images=int(totals.samples)
-    )
-    if totals.scored5:  # 5 classes or more
-        record["val_acc5"] = totals.top5_accuracy()
-    # all-gathers, every rank: your metrics over all ranks' samples
-    return {**record, **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
+    # ranks' samples
+    return {**totals.validation_record(), **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -458,12 +396,11 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "seed": args.seed,
                 "world_size": dist.get_world_size(),  # what continues says so
             }
-            output_dir = Path(args.output_dir)
-            run.saves.save(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
+            run.saves.save(checkpoint, Path(args.output_dir) / "checkpoint.pt", run.watchdog)
             if args.ema:  # and the average alone, with plain keys
                 with run.ema.swapped():
                     state = ranks.unwrap(model).state_dict()
-                    run.saves.save(state, output_dir / "model_ema.pt", run.watchdog)
+                    run.saves.save(state, Path(args.output_dir) / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
@@ -473,8 +410,7 @@ def save_best(run: Training) -> None:
         if dist.get_rank() == 0:
             with run.ema.swapped_for(run.args.keep_best):
                 state = ranks.unwrap(run.model).state_dict()
-                path = Path(run.args.output_dir) / "model_best.pt"
-                run.saves.save(state, path, run.watchdog)
+                run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -493,8 +429,7 @@ def main(teardown: ExitStack) -> None:
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
-    saves = teardown.enter_context(checkpoints.Saves())
-    stop.watch(saves)
+    saves = teardown.enter_context(checkpoints.Saves(stop))
     # K micro-batches of batch / K, each split over the ranks: equal parts, or within one sample
     if args.batch_size % args.accum_steps:
         raise UsageError(
@@ -521,22 +456,21 @@ def main(teardown: ExitStack) -> None:
     # needs)
     steps_per_epoch = batches.steps_per_epoch(train_loader, args, args.accum_steps)
     model = checks.returned_model(build_model(args, num_classes))
-    if args.channels_last:
-        # NHWC: what Tensor Core convolutions read
-        model = model.to(memory_format=torch.channels_last)
-    model = model.to(device)
+    # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
+    # and every saved file
+    frozen = checks.frozen_models(build_frozen(args, num_classes), device)
+    # --channels-last: NHWC, what Tensor Core convolutions read
+    model = model.to(device, memory_format=flags.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions = checks.first_step_flops(
+    flops_per_sample, convolutions, _ = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
-    if args.sync_bn:
-        if device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:  # PyTorch's SyncBatchNorm has no CPU kernel: the same statistics over gloo
-            from utils import batch_norm
-
-            model = batch_norm.convert_to_global(model)
+    # (PyTorch's SyncBatchNorm has no CPU kernel: on CPU processes the same statistics over gloo)
+    if args.sync_bn and device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:
+        model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
     model = DDP(
@@ -578,6 +512,7 @@ def main(teardown: ExitStack) -> None:
     run = Training(
         args=args,
         model=model,
+        frozen=frozen,
         optimizer=optimizer,
         scheduler=scheduler,
         ema=ema,
@@ -592,27 +527,24 @@ def main(teardown: ExitStack) -> None:
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"
-    state = checkpoints.load_checkpoint_everywhere(checkpoint_path, rank)
-    start_epoch, steps_done = 0, 0
-    if state:  # the same command continues from the checkpoint, and says so
-        start_epoch, steps_done = checkpoints.restore(
-            state,
-            checkpoint_path,
-            args,
-            model=ranks.unwrap(model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            records=recorder,
-            ema=ema,
-        )
-    with ranks.errors_shared_by_all_ranks():
-        if rank == 0:  # what the checkpoint holds: the records after it are written again
-            recorder.start(start_epoch, steps_done)
+    # the same command continues from the checkpoint, and says so: rank 0 reads it, every rank
+    # receives it
+    start_epoch, steps_done = checkpoints.restore(
+        checkpoints.load_checkpoint_everywhere(checkpoint_path, rank),
+        checkpoint_path,
+        args,
+        model=ranks.unwrap(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        records=recorder,
+        ema=ema,
+    )
+    recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
-        record = train_one_epoch(run, epoch, steps_done)
-        steps_done = 0
+        # continued mid-epoch: the steps its first epoch had done
+        record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
         record = dict(

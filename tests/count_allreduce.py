@@ -39,6 +39,7 @@ def main(teardown):
     run = script.Training(
         args=args,
         model=model,
+        frozen={},
         optimizer=optimizer,
         scheduler=scheduler,
         ema=optimizers.EMA(model, args.ema),

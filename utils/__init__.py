@@ -4,7 +4,7 @@ the folder's others relatively, so the folder works under any name (ddp_utils/ b
 own utils). In the order a reader of distributed.py meets them:
 
 - errors: UsageError, and run_main, which ends every error of ours or a library's in one line;
-- flags: the flags every script shares (build_parser, check_args);
+- flags: the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags);
 - ranks: joining the process group, collectives in a world of one too, which ranks print, the
   host memory a node's ranks share, errors_shared_by_all_ranks;
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
@@ -19,6 +19,7 @@ own utils). In the order a reader of distributed.py meets them:
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
 - stops: the step every rank stops after (a signal, a stream that ended, a failed write);
+- loops: what happens around each training step, whatever the step does (EpochSteps);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
   validation so far (--keep-best);
 - scores: a project's own validation metrics (build_metrics, torchmetrics') over every

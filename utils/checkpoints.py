@@ -46,7 +46,11 @@ class Saves:
     file stays. Leaving the block waits for what is being written (an error ends the run: the
     newest checkpoint is kept whole)."""
 
-    def __init__(self):
+    def __init__(self, stop=None):
+        """stop: the run's StopSignal, told of each write that failed (every rank ends with its line
+        at the next step)."""
+        if stop is not None:
+            stop.watch(self)
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self.writes: dict[Path, Future] = {}
         # each file's host copies, kept for its next save: a copy into memory already mapped runs
@@ -235,10 +239,12 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def restore(state: dict, path: Path | str, args, **stateful) -> tuple[int, int]:
+def restore(state: dict | None, path: Path | str, args, **stateful) -> tuple[int, int]:
     """Load stateful (model, optimizer, scheduler, scaler), and say so; returns the epochs done and
-    the steps done in the next. The random streams need no state: each step's come from where it
-    is (seeds.seed_step)."""
+    the steps done in the next, (0, 0) without a checkpoint (state None). The random streams need
+    no state: each step's come from where it is (seeds.seed_step)."""
+    if state is None:
+        return 0, 0
     written_with = (
         ("--arch", state.get("arch"), args.arch),
         ("--optimizer", state.get("optimizer_name"), args.optimizer),

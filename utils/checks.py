@@ -20,7 +20,7 @@ from .batches import batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
 from .errors import UsageError, first_line, refused_as_one_line
-from .ranks import errors_shared_by_all_ranks, local_shard
+from .ranks import errors_shared_by_all_ranks, local_shard, log
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
@@ -97,6 +97,21 @@ def returned_model(model) -> nn.Module:
     return model
 
 
+def frozen_models(models, device: torch.device) -> dict[str, nn.Module]:
+    """build_frozen's models: each on the device, in eval mode, without gradients, its size said
+    once; a dict of anything else is refused in one line."""
+    if not isinstance(models, dict) or not all(isinstance(m, nn.Module) for m in models.values()):
+        raise UsageError(
+            "build_frozen must return a dict of nn.Modules ({} for none), not"
+            f" {describe_value(models)}"
+        )
+    for name, module in models.items():
+        module.to(device).eval().requires_grad_(False)
+        size = sum(p.numel() for p in module.parameters())
+        log.info(f"frozen {name}: {size:,} parameters, not trained and in no saved file")
+    return models
+
+
 def first_step_flops(
     model: nn.Module,
     loader: DataLoader,
@@ -104,12 +119,13 @@ def first_step_flops(
     args,
     device: torch.device,
     unused_ok: bool,
-) -> tuple[float, float]:
+) -> tuple[float, float, bool]:
     """The FLOPs of a sample's forward and backward, counted around the model and loss only
     (FlopCounterMode would see our own collectives too), in a step of two samples that is undone
-    (in float32 whatever the training's precision: two samples are small), and the convolutions'
-    share of them (peaks: cuDNN's TF32 flag rules their float32 precision); on the way, what would
-    fail or learn nothing ends every rank with one line. Every rank calls it."""
+    (in float32 whatever the training's precision: two samples are small), the convolutions'
+    share of them (peaks: cuDNN's TF32 flag rules their float32 precision), and whether the loss
+    is a (sum, count) pair; on the way, what would fail or learn nothing ends every rank with one
+    line. Every rank calls it."""
     # Batch-norm statistics, put back afterwards.
     buffers = [b.clone() for b in model.buffers()]
     devices = []
@@ -162,7 +178,8 @@ def first_step_flops(
         for op, count in counter.get_flop_counts()["Global"].items()
         if "convolution" in str(op)
     )
-    return flops / samples, convolutions / max(flops, 1)
+    pair = not isinstance(loss, torch.Tensor)
+    return flops / samples, convolutions / max(flops, 1), pair
 
 
 def check_draws_reach(dataset) -> None:

@@ -275,9 +275,36 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
+def add_ddp_flags(parser: ArgumentParser) -> None:
+    """DDP's own flags, of the four DDP scripts."""
+    parser.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="batch-norm statistics over the global batch, all ranks' samples (PyTorch's"
+        " SyncBatchNorm on GPUs; on CPU processes the same over gloo)",
+    )
+    parser.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="allow parameters without a gradient in some steps",
+    )
+    parser.add_argument(
+        "--comm-hook",
+        choices=["bf16"],
+        default=None,
+        help="all-reduce the gradients in bfloat16, half the bytes (PyTorch's bf16_compress_hook;"
+        " default: float32 as they are)",
+    )
+
+
+def memory_format(args) -> torch.memory_format:
+    """--channels-last: NHWC; otherwise the weights' own."""
+    return torch.channels_last if args.channels_last else torch.preserve_format
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """Catch impossible values before any process group or data is touched; fill machine
-    defaults."""
+    defaults. Returns args."""
     at_least_one = "epochs batch_size fake_size image_size print_freq eval_every stop_after"
     for name in f"{at_least_one} save_every steps_per_epoch".split():
         value = getattr(args, name)
@@ -335,3 +362,4 @@ def check_args(args: argparse.Namespace) -> None:
         args.workers = 0
         if gpus:
             args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2))
+    return args

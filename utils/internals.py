@@ -71,7 +71,10 @@ def checkpoint_activations(module: nn.Module) -> None:
 
 
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """A GradScaler's scale as a tensor on the device (get_scale() would wait for the device)."""
+    """A GradScaler's scale as a tensor on the device (get_scale() would wait for the device); its
+    first scale before its first scale()."""
+    if scaler._scale is None:
+        return torch.full((), scaler.get_scale(), device=scaler._device)
     return scaler._scale
 
 

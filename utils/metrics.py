@@ -70,6 +70,16 @@ class Sums:
             return None
         return self.correct5 / self.scored5
 
+    def validation_record(self) -> dict:
+        """val_loss, val_acc (None where no target was a class index), val_images; val_acc5 from 5
+        classes."""
+        record = dict(
+            val_loss=self.mean_loss(), val_acc=self.accuracy(), val_images=int(self.samples)
+        )
+        if self.scored5:
+            record["val_acc5"] = self.top5_accuracy()
+        return record
+
 
 SUMS = len(dataclasses.fields(Sums))
 # Steps kept before they are added up: at most 32 (a batch from a loader's worker holds a file
@@ -366,8 +376,14 @@ class StepRecords:
         return True
 
     def start(self, epoch: int, step: int) -> None:
-        """On rank 0: keep the records up to the checkpoint's epochs and steps done, and start the
-        sinks; W&B gets every kept record again."""
+        """Every rank calls it; on rank 0: keep the records up to the checkpoint's epochs and steps
+        done (the records after them are written again), and start the sinks; W&B gets every kept
+        record again."""
+        with errors_shared_by_all_ranks():
+            if self.rank == 0:
+                self.start_on_rank_0(epoch, step)
+
+    def start_on_rank_0(self, epoch: int, step: int) -> None:
         last = {"epoch": epoch, "global_step": epoch * self.steps_per_epoch + step}
         kept = {}
         for path, key in (
@@ -394,7 +410,13 @@ class StepRecords:
             self.sinks.append(wandb)
 
     def train(
-        self, epoch: int, step: int, since_record: dict, lr: float, grad_norm: torch.Tensor, **more
+        self,
+        epoch: int,
+        step: int,
+        since_record: dict,
+        lr: float,
+        grad_norm: torch.Tensor | None,
+        **more,
     ) -> None:
         """Every rank calls it at the same step: a training record of all ranks' numbers
         (Meter.since_record's), the learning rate and the gradients' norm; a diverged run stops
@@ -402,7 +424,7 @@ class StepRecords:
         record = dict(
             **since_record,
             lr=lr,
-            grad_norm=float(grad_norm),
+            grad_norm=None if grad_norm is None else float(grad_norm),
             peak_mem_mb=peak_memory_mb(self.meter.sums.device),
             **more,
         )

@@ -1,8 +1,8 @@
-"""The ranks of a run: joining the process group (rendezvous_store, fresh_namespace,
-describe_init_error), which rank prints (setup_logging), collectives that also work in a world of
-one (all_reduce, all_gather_objects, gather_on_rank_0), the host memory a node's ranks share
-(host_memory_available), and errors_shared_by_all_ranks, a block that every rank enters and that
-ends every rank with one rank's error.
+"""The ranks of a run: joining the process group (from_environment, init_method,
+rendezvous_store, fresh_namespace, init_errors_as_one_line), which rank prints (setup_logging),
+collectives that also work in a world of one (all_reduce, all_gather_objects, gather_on_rank_0),
+the host memory a node's ranks share (host_memory_available), and errors_shared_by_all_ranks, a
+block that every rank enters and that ends every rank with one rank's error.
 """
 
 from __future__ import annotations
@@ -136,16 +136,52 @@ def fresh_namespace(
         time.sleep(0.01)
 
 
-def describe_init_error(error: Exception, init_method: str) -> str:
-    """Turn a failed rendezvous into a line that says what to change."""
-    text = first_line(error)
-    timed_out = re.search("timed out|timeout", text, re.I) is not None
-    if isinstance(error, (dist.DistStoreError, TimeoutError)) or timed_out:
-        return (
-            f"rendezvous at {init_method} timed out: is the address right and every process"
-            f" started? ({text})"
+def from_environment(args) -> tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun, torch.distributed.launch (--local-rank) or
+    Slurm's srun sets them; (0, 0, 1) without them: a world of one. A local rank without a GPU of
+    its own is refused in one line."""
+    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
+    ranks_from_slurm(args.port)
+    env = os.environ
+    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
+        raise UsageError(
+            f"local rank {local_rank}, but this node has {torch.cuda.device_count()} GPUs: start"
+            " one process per GPU"
         )
-    return f"rendezvous at {init_method} failed: {text}"
+    return rank, local_rank, world_size
+
+
+def init_method(args) -> str | None:
+    """Where the ranks meet: --dist-url; tcp:// from --ip and --port (loopback and 29500 unless
+    given); env:// under torchrun, torch.distributed.launch and Slurm; None for a plain `python
+    script.py`, a world of one."""
+    if args.dist_url:
+        return args.dist_url
+    if args.ip or args.port:
+        return f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
+    if "MASTER_ADDR" in os.environ:
+        return "env://"
+    return None
+
+
+@contextlib.contextmanager
+def init_errors_as_one_line(address: str | None):
+    """A failed rendezvous at address (init_method's; None: a store of this process's own) as a
+    line that says what to change."""
+    where = address or "local store"
+    try:
+        yield
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        text = first_line(e)
+        timed_out = re.search("timed out|timeout", text, re.I) is not None
+        if isinstance(e, (dist.DistStoreError, TimeoutError)) or timed_out:
+            raise UsageError(
+                f"rendezvous at {where} timed out: is the address right and every process"
+                f" started? ({text})"
+            ) from None
+        raise UsageError(f"rendezvous at {where} failed: {text}") from None
 
 
 def set_cpu_threads(local_world_size: int) -> None:

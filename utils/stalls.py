@@ -6,9 +6,10 @@ it; it closes as main ends (run_main's teardown):
 
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
 
-The script tells it what the run does, and nothing else does: watchdog.batch(epoch, step) for each
-training batch, watchdog.batch() for each validation batch, and a save writes under
-watchdog.writing(path, growing) (checkpoints.save_checkpoint(..., watchdog) does it).
+The run tells it what it does, and nothing else does: watchdog.batch(epoch, step) for each
+training batch (loops.EpochSteps), watchdog.batch() for each validation batch (the script's
+evaluate), and a save writes under watchdog.writing(path, growing)
+(checkpoints.save_checkpoint(..., watchdog) does it).
 
 The rule (docs/reliability.md):
 - before the first training step, work every rank does (data, model, a checkpoint's load, a compile)

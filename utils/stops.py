@@ -1,7 +1,7 @@
 """The step every rank stops after: a signal (SIGTERM, SIGUSR1) on any rank, a stream that ended on
 one, or a batch one rank could not read; and the steps every rank saves after, every so many
 minutes; a checkpoint that failed to be written in the background ends every rank. One small
-all-reduce a step, started as the step begins and awaited after its backward.
+all-reduce a step, started as the step begins and awaited after it (loops.EpochSteps.done).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class StopSignal:
     def agreed(self) -> tuple[int, bool]:
         """(the signal of any rank or 0, does some rank lack the next batch), as they were when
         this step began."""
-        # Once a step, after its backward: the all-reduce is done by then.
+        # Once a step, after it: the all-reduce is done by then.
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -75,7 +75,7 @@ class StopSignal:
         """Every rank iterates it, in the same steps: (step, batch) for steps first_step + 1 to
         steps (1-based), while every rank has a batch. It reads one batch ahead, and as each step
         begins it starts a small all-reduce (any rank's signal, any rank without a next batch) that
-        agreed() awaits after the step's backward. A batch one rank cannot read (a bad file) ends
+        agreed() awaits after the step. A batch one rank cannot read (a bad file) ends
         every rank with its line."""
         batches = iter(batches)
         step = first_step
