@@ -77,8 +77,9 @@ def test_a_denoising_step_of_yours_trains_on_2_processes_what_1_does_and_continu
     continued = launch(script, 2, *flags, "--output-dir", tmp_path / "stopped")
     run_parallel([(continued, OFFLINE, tmp_path)])
     one, two, stopped = (tmp_path / name for name in runs)
-    assert max_weight_difference(two, one) <= 1e-5
-    assert max_weight_difference(stopped, two) <= 1e-6
+    differences = max_weight_difference(two, one), max_weight_difference(stopped, two)
+    print(f"denoising: 2 x 16 against 1 x 32 {differences[0]:.2g}, continued {differences[1]:.2g}")
+    assert differences[0] <= 1e-5 and differences[1] <= 1e-6, differences
     losses = [m["val_loss"] for m in metrics(two)]
     # below a third of what predicting 0 scores: the validation set's mean square
     untrained = users_code(YOUR_DENOISING)["Vectors"](203, seed=2).x.pow(2).mean().item()
@@ -140,7 +141,9 @@ def test_a_frozen_teacher_is_on_no_optimizer_and_in_no_saved_file_and_distills_a
             (launch(script, 2, *flags, "--output-dir", two), OFFLINE, tmp_path),
         ]
     )
-    assert max_weight_difference(two, one) <= 1e-5
+    difference = max_weight_difference(two, one)
+    print(f"distillation: 2 x 16 against 1 x 32 {difference:.2g}")
+    assert difference <= 1e-5
     student = ["1.weight", "1.bias", "3.weight", "3.bias"]
     checkpoint = torch.load(two / "checkpoint.pt", weights_only=True)
     assert list(checkpoint["model"]) == student
