@@ -252,8 +252,7 @@ def validate(run: Training, epoch: int, step: int) -> dict:
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
-    module = ranks.unwrap(run.model)  # one device is enough to score
-    module.eval()
+    module = ranks.unwrap(run.model).eval()  # one device is enough to score
     meter = metrics.Meter(run.device, top5=True)
     run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
@@ -362,7 +361,7 @@ def main(teardown: ExitStack) -> None:
         model = torch.compile(model, mode=args.compile_mode)
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
-    optimizer = optimizers.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
+    optimizer = optimizers.build_optimizer(model, args)  # --optimizer: SGD or AdamW
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision

@@ -224,9 +224,9 @@ def build_loaders(
             drop_last=True,
             **seeded,
         )
-    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
-    # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
-    # repeated images)
+    # validation: rank r takes images r, r+W, r+2W, ..., in one process's batches (of a stream: its
+    # part of each global batch, or its own shards): every image exactly once (DistributedSampler
+    # would pad the last shard with repeated images)
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
@@ -236,7 +236,11 @@ def build_loaders(
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
-            val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common
+            val_set,
+            batch_sampler=samplers.ValidationShares(
+                range(rank, len(val_set), world_size), args.batch_size
+            ),
+            **common,
         )
     return train_loader, val_loader
 
@@ -299,14 +303,14 @@ def validate(run: Training, epoch: int, step: int) -> dict:
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
-    module = ranks.unwrap(run.model)  # not DDP's forward: shards may differ in length by one batch
+    # not DDP's forward (a stream's shards may differ in length by a batch), in evaluation mode
+    module = ranks.unwrap(run.model).eval()
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
-    module.eval()
     meter = metrics.Meter(run.device, top5=True)
     run.val_metrics.reset()
-    # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
+    # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
         inputs, targets = batches.batch_to_device(
@@ -315,41 +319,42 @@ def evaluate(run: Training) -> dict:
         outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
-    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
+    # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
+    sums = meter.local_sums()
+    dist.all_reduce(sums)
     # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
     # ranks' samples
-    return {**totals.validation_record(), **run.val_metrics.compute()}
+    return {**meter.validation_record(sums), **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     """What continues the run exactly: epochs done, and steps done in the next. Every rank calls
     it; rank 0 copies the state and writes it while training goes on (the others hold the same
     weights). Weights that are no longer finite end every rank; a full disk at the next step."""
-    args, model = run.args, run.model
     # all-reduce, every rank: the epoch's sums over all ranks, which the next record and epoch need
     progress = run.recorder.all_ranks_state_dict()
     with ranks.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
-            checks.check_finite(model, epoch, step, None, args)
+            checks.check_finite(run.model, epoch, step, None, run.args)
             checkpoint = {
-                "model": ranks.unwrap(model).state_dict(),
+                "model": ranks.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
                 "ema": run.ema.state_dict(),
                 "records": progress,
                 "epoch": epoch,
                 "step": step,
-                "arch": args.arch,
-                "optimizer_name": args.optimizer,
-                "seed": args.seed,
+                "arch": run.args.arch,
+                "optimizer_name": run.args.optimizer,
+                "seed": run.args.seed,
                 "world_size": dist.get_world_size(),  # what continues says so
             }
-            run.saves.save(checkpoint, Path(args.output_dir) / "checkpoint.pt", run.watchdog)
-            if args.ema:  # and the average alone, with plain keys
+            run.saves.save(checkpoint, Path(run.args.output_dir) / "checkpoint.pt", run.watchdog)
+            if run.args.ema:  # and the average alone, with plain keys
                 with run.ema.swapped():
-                    state = ranks.unwrap(model).state_dict()
-                    run.saves.save(state, Path(args.output_dir) / "model_ema.pt", run.watchdog)
+                    state = ranks.unwrap(run.model).state_dict()
+                    run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
@@ -397,7 +402,7 @@ def main(teardown: ExitStack) -> None:
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = batches.steps_per_epoch(train_loader, args)
-    model = checks.returned_model(build_model(args, num_classes))
+    model = checks.returned_model(build_model(args, num_classes), together=True)
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
     # and every saved file
     frozen = checks.frozen_models(build_frozen(args, num_classes), device)
@@ -415,26 +420,26 @@ def main(teardown: ExitStack) -> None:
         model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
-    model = DDP(
-        model,
+    options = dict(
         device_ids=[local_rank] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=args.find_unused_parameters,
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **ranks.no_buffer_sync_per_forward(),
     )
+    if isinstance(model, ranks.TrainedTogether):  # a GAN's models: each its own DDP
+        model = ranks.Wrapped(model, DDP, **options)
+    else:
+        model = DDP(model, **options)
     # a (sum, count) loss (the start-up step's): each rank's mean weighted by its share of all
     # ranks' count as DDP sums the gradients, the count summed while the backward runs; --comm-hook
-    # bf16: the gradients cross the network as bfloat16, half the bytes. Else DDP's own mean.
-    count_shares = (
-        batches.CountShares(args.comm_hook == "bf16") if pair_loss or args.comm_hook else None
-    )
-    if count_shares is not None:
-        model.register_comm_hook(None, count_shares.all_reduce)
+    # bf16: the gradients cross the network as bfloat16, half the bytes. Else DDP's own mean (None).
+    count_shares = batches.CountShares.registered(model, pair_loss, args.comm_hook)
     if args.compile:
-        # DDP's buckets split the compiled graph
-        model = torch.compile(model, mode=args.compile_mode)
-    optimizer = optimizers.build_optimizer(model.parameters(), args)  # --optimizer: SGD or AdamW
+        # DDP's buckets split the compiled graph (models trained together: each one's)
+        model = ranks.each(model, torch.compile, mode=args.compile_mode)
+    # --optimizer: SGD or AdamW (models trained together: one each, run.optimizer["generator"])
+    optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision

@@ -253,9 +253,9 @@ def build_loaders(
             drop_last=True,
             **seeded,
         )
-    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
-    # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
-    # repeated images)
+    # validation: rank r takes images r, r+W, r+2W, ..., in one process's batches (of a stream: its
+    # part of each global batch, or its own shards): every image exactly once (DistributedSampler
+    # would pad the last shard with repeated images)
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
@@ -265,7 +265,11 @@ def build_loaders(
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
-            val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common
+            val_set,
+            batch_sampler=samplers.ValidationShares(
+                range(rank, len(val_set), world_size), args.batch_size
+            ),
+            **common,
         )
     return train_loader, val_loader
 
@@ -421,14 +425,13 @@ def validate(run: Training, epoch: int, step: int) -> dict:
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
-    module = ranks.unwrap(run.model)
+    module = ranks.unwrap(run.model).eval()
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
-    module.eval()
     meter = metrics.Meter(run.device, top5=True)
     run.val_metrics.reset()
-    # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
+    # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
         inputs, targets = batches.batch_to_device(
@@ -437,10 +440,12 @@ def evaluate(run: Training) -> dict:
         outputs = batches.forward(module, inputs)
         meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
-    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
+    # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
+    sums = meter.local_sums()
+    dist.all_reduce(sums)
     # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
     # ranks' samples
-    return {**totals.validation_record(), **run.val_metrics.compute()}
+    return {**meter.validation_record(sums), **run.val_metrics.compute()}
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -551,7 +556,7 @@ def main(teardown: ExitStack) -> None:
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     # the inner one, on each process: SGD or AdamW
-    optimizer = optimizers.build_optimizer(model.parameters(), args)
+    optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision

@@ -310,9 +310,9 @@ def build_loaders(
             drop_last=True,
             **seeded,
         )
-    # validation: rank r takes images r, r+W, r+2W, ... (of a stream: its part of each global batch,
-    # or its own shards): every image exactly once (DistributedSampler would pad the last shard with
-    # repeated images)
+    # validation: rank r takes images r, r+W, r+2W, ..., in one process's batches (of a stream: its
+    # part of each global batch, or its own shards): every image exactly once (DistributedSampler
+    # would pad the last shard with repeated images)
     if isinstance(val_set, IterableDataset):
         from utils import streams
 
@@ -322,7 +322,11 @@ def build_loaders(
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
-            val_set, batch_per_rank, sampler=range(rank, len(val_set), world_size), **common
+            val_set,
+            batch_sampler=samplers.ValidationShares(
+                range(rank, len(val_set), world_size), args.batch_size
+            ),
+            **common,
         )
     return train_loader, val_loader
 
@@ -507,17 +511,16 @@ def validate(run: Training, epoch: int, step: int) -> dict:
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
-    # rank 0's batch-norm statistics, the checkpoint's, on every rank
-    for buffer in run.model.buffers():
+    # evaluation mode, and rank 0's batch-norm statistics, the checkpoint's, on every rank
+    for buffer in run.model.eval().buffers():
         dist.broadcast(buffer, 0)
-    run.model.eval()
     meter = metrics.Meter(run.device, top5=True)
     run.val_metrics.reset()
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
     spare = (0, run.val_loader.collate_fn(batches.first_samples(run.val_loader, 1))[1])
-    # a batch this rank cannot read (a bad file) ends its share, and all_ranks() every rank
+    # a batch this rank cannot read (a bad file) ends its share, and validation_record() every rank
     shard = meter.read(run.val_loader)
     while True:
         item = next(shard, None)
@@ -535,10 +538,12 @@ def evaluate(run: Training) -> dict:
             run.val_metrics.update(outputs, targets)
     # the root keeps its weights gathered after forward, for a backward: free them
     ranks.unwrap(run.model).reshard()
-    totals = meter.all_ranks()  # all-reduce, every rank: the sums over all ranks
+    # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
+    sums = meter.local_sums()
+    dist.all_reduce(sums)
     # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
     # ranks' samples
-    return {**totals.validation_record(), **run.val_metrics.compute()}
+    return {**meter.validation_record(sums), **run.val_metrics.compute()}
 
 
 def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGroup) -> None:
@@ -791,7 +796,7 @@ def main(teardown: ExitStack) -> None:
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     module = ranks.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
-    optimizer = optimizers.build_optimizer(model.parameters(), args)  # over this rank's shards only
+    optimizer = optimizers.build_optimizer(model, args)  # over this rank's shards only
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
     scaler = ShardedGradScaler(

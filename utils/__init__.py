@@ -6,15 +6,16 @@ own utils). In the order a reader of distributed.py meets them:
 - errors: UsageError, and run_main, which ends every error of ours or a library's in one line;
 - flags: the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags);
 - ranks: joining the process group, collectives in a world of one too, which ranks print, the
-  host memory a node's ranks share, errors_shared_by_all_ranks;
+  host memory a node's ranks share, errors_shared_by_all_ranks, models trained together (Wrapped);
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
 - seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
   dropout from (seed, rank, epoch, step), never from which rank or worker draws;
 - samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
-  as one process draws it, each rank its share of every global batch;
+  as one process draws it, each rank its share of every global batch; validation's shares;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
-- batches: any batch of any task: counted, moved to the device, forwarded, its loss;
+- batches: any batch of any task: counted, moved to the device, forwarded, its loss; a loss
+  over the whole global batch (whole_batch);
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;

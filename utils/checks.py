@@ -20,7 +20,7 @@ from .batches import batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
 from .errors import UsageError, first_line, refused_as_one_line
-from .ranks import errors_shared_by_all_ranks, local_shard, log
+from .ranks import TrainedTogether, errors_shared_by_all_ranks, local_shard, log, world_size
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
@@ -84,17 +84,37 @@ def dataset_length(dataset) -> int | None:
         return None
 
 
-def returned_model(model) -> nn.Module:
+def returned_model(model, together: bool = False) -> nn.Module:
     """build_model's module, which must be one with a parameter to train: one line, not a
-    traceback at .to() or at the first backward."""
+    traceback at .to() or at the first backward. Models trained together (a GAN's generator and
+    discriminator: ranks.TrainedTogether), each its own DDP, where the script takes them."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"build_model must return an nn.Module, not {describe_value(model)}")
+    if isinstance(model, TrainedTogether):
+        check_trained_together(model, together)
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(
             f"build_model's {type(model).__name__} has no parameter that requires a gradient:"
             " nothing to train (frozen weights need some left unfrozen, e.g. a new head)"
         )
     return model
+
+
+def check_trained_together(model: TrainedTogether, together: bool) -> None:
+    """Models trained together in a script that trains them (together), each with a parameter to
+    train, none held by the container (it is in no DDP, no optimizer): one line, not a traceback."""
+    name = type(model).__name__
+    if not together:
+        raise UsageError(
+            f"build_model's {name} is models trained together (ranks.TrainedTogether):"
+            " distributed.py, distributed_mp.py and distributed_amp.py train each in its own DDP;"
+            " this script trains one model"
+        )
+    if model._parameters or model._buffers:
+        raise UsageError(f"build_model's {name} holds weights of its own: put them in its models")
+    for part, module in model.items():
+        if not any(p.requires_grad for p in module.parameters()):
+            raise UsageError(f"build_model's {name}[{part!r}] has no parameter to train")
 
 
 def frozen_models(models, device: torch.device) -> dict[str, nn.Module]:
@@ -153,6 +173,9 @@ def first_step_flops(
             with refused_as_one_line("compute_loss cannot take the outputs and targets"):
                 loss = compute_loss(outputs, targets)
             check_loss(loss)
+        # on more processes than one: batch norm that each rank's part changes, said
+        if world_size() > 1:
+            say_what_the_split_changes(model, args)
         with ModelFlops(display=False) as backward_flops:
             if isinstance(loss, torch.Tensor):
                 loss.backward()
@@ -162,8 +185,8 @@ def first_step_flops(
     model.zero_grad(set_to_none=True)
     for buffer, saved in zip(model.buffers(), buffers):
         buffer.copy_(saved)
-    # Alike on every rank: the same model and code.
-    if unused and not unused_ok:
+    # Alike on every rank: the same model and code. (Models trained together: the step is yours.)
+    if unused and not unused_ok and not isinstance(model, TrainedTogether):
         names = ", ".join(unused[:3])
         if len(unused) > 3:
             names += ", ..."
@@ -293,6 +316,25 @@ def check_loss(loss) -> None:
         f"compute_loss must return a scalar tensor or a (sum, count) pair, not {what}: reduce"
         " it, e.g. with .mean()"
     )
+
+
+def say_what_the_split_changes(model: nn.Module, args) -> None:
+    """One line where a run on several processes trains another objective than one process: batch
+    norm in training, without --sync-bn where the script has it."""
+    norms = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and not isinstance(module, nn.SyncBatchNorm)
+    ]
+    if norms and not getattr(args, "sync_bn", False):
+        cure = "; --sync-bn makes them the global batch's"
+        if not hasattr(args, "sync_bn"):
+            cure = " (this script has no --sync-bn; distributed.py does)"
+        log.info(
+            f"batch norm ({len(norms)} layers, {norms[0]} first) normalises each rank's part of the"
+            f" batch: its statistics change with the number of processes{cure}"
+        )
 
 
 def check_class_targets(outputs, targets) -> None:

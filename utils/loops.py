@@ -57,6 +57,7 @@ class EpochSteps:
         steps = run.stop.steps(batches, self.steps_done, run.recorder.steps_per_epoch)
         for step, batch in steps:
             self.step = step
+            run.recorder.phases.new_step()  # its first optimizer step counts it, once
             # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
             # step), as one process draws its own for each sample
             seed_step(args.seed, epoch, step)
@@ -102,6 +103,7 @@ class EpochSteps:
         if self.micro is None:
             samples, targets = self.scored
             self.meter.update(result["loss"], result["outputs"], targets, samples)
+            self.meter.add_others(result, samples)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = run.stop.agreed()
@@ -116,7 +118,8 @@ class EpochSteps:
                 grad_norm = nn.utils.get_total_norm(grads)
             if hasattr(grad_norm, "full_tensor"):  # FSDP's: all shards' (a collective)
                 grad_norm = grad_norm.full_tensor()
-            values = extra() if extra else {}
+            # all-reduce, every rank: the step's other losses (a GAN's generator loss), train_<name>
+            values = {**self.meter.others_since_record(), **(extra() if extra else {})}
             run.recorder.train(epoch, step, since_record, lr, grad_norm, **values)
         # --eval-every N: mid-epoch too; not training: its time is left out of the speed and the
         # phases

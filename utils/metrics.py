@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .batches import class_indices, count_to_device, logits
 from .checkpoints import append_metrics, write_atomically
-from .checks import check_finite
+from .checks import check_finite, describe_value
 from .errors import UsageError
 from .profiles import DATA, FORWARD, StepPhases, slow_line
 from .ranks import (
@@ -136,6 +136,11 @@ class Meter:
         self.phases = phases or StepPhases(torch.device("cpu"))
         # Whether the targets among the top 5 scores are counted too (a validation's).
         self.top5 = top5
+        # The steps' other losses (a GAN's generator loss), each its sum over the samples since
+        # the last record and those samples; continued mid-epoch, rank 0 holds all ranks' saved.
+        self.others = {}
+        if saved is not None and rank == 0:
+            self.others = {name: t.to(device) for name, t in saved.get("others", {}).items()}
 
     def update(self, loss, outputs, targets, samples: int) -> None:
         """Add a batch: its loss (a mean, or a (sum, count) pair), and its accuracy where the
@@ -167,6 +172,39 @@ class Meter:
                 self.hits5.append((scores.topk(5, dim=1).indices == targets.unsqueeze(1)).any(1))
         if len(self.totals) == KEPT_STEPS or self.kept > KEPT_ELEMENTS:
             self.add_kept()
+
+    def add_others(self, result: dict, samples: int) -> None:
+        """A step's other losses (train_step's other keys, numbers), weighted by its samples: kept
+        on the device, nothing read back."""
+        for name, value in result.items():
+            if name in ("loss", "outputs", "grad_norm"):
+                continue
+            value = torch.as_tensor(value, device=self.sums.device).detach().double()
+            if value.numel() != 1:
+                raise UsageError(
+                    f"train_step's {name!r} is recorded as train_{name}: return a number (a scalar"
+                    f" tensor), not {describe_value(value)}"
+                )
+            pair = torch.stack([value.reshape(()) * samples, value.new_tensor(samples)])
+            self.others[name] = self.others.get(name, 0) + pair
+
+    def all_ranks_others(self) -> dict[str, torch.Tensor]:
+        """Every rank calls it (an all-reduce where the steps return other losses): each one's sum
+        over all ranks' samples since the last record, and those samples, on the CPU."""
+        names = sorted(self.others)
+        if not names:
+            return {}
+        sums = all_reduce(torch.stack([self.others[name] for name in names])).cpu()
+        return dict(zip(names, sums))
+
+    def others_since_record(self) -> dict:
+        """Every rank calls it: the other losses' means over all ranks since the last record, as
+        train_<name>."""
+        sums = self.all_ranks_others()
+        self.others = {}
+        return {
+            f"train_{name}": (total / samples).item() for name, (total, samples) in sums.items()
+        }
 
     def add_kept(self) -> None:
         """The kept steps' losses, counts and guesses added to the sums, where they are: nothing
@@ -206,10 +244,9 @@ class Meter:
         except UsageError as e:
             self.error = str(e)
 
-    def all_ranks_sums(self, row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank calls it at the same step (one all-reduce): the sums over all ranks, and a
-        table of each rank's row (this rank's: row), both on the CPU; where a rank could not read
-        a batch, every rank ends with its line."""
+    def local_sums(self, row: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's sums and its row of a table of all ranks' (whether it could not read a
+        batch, then row): one tensor, which an all-reduce makes all ranks'."""
         rank = 0
         if dist.is_initialized():
             rank = dist.get_rank()
@@ -219,8 +256,12 @@ class Meter:
         # Each rank its own row: the sum holds every rank's exactly.
         table[rank, 0] = float(bool(self.error))
         table[rank, 1:] = row
+        return torch.cat([self.all_sums(), table.flatten().to(self.sums.device)])
+
+    def reduced(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All ranks' local_sums(), summed: the sums and the table of rows, both on the CPU; where a
+        rank could not read a batch, every rank ends with its line."""
         # Read back to the host (a sync with the GPU): at a record, a save and an epoch's end only.
-        both = all_reduce(torch.cat([self.all_sums(), table.flatten().to(self.sums.device)]))
         both = both.cpu()
         table = both[SUMS:].view(world_size(), -1)
         if table[:, 0].any():
@@ -228,9 +269,19 @@ class Meter:
         # The sums in a tensor of their own, which a checkpoint keeps as it is.
         return both[:SUMS].clone(), table[:, 1:]
 
+    def all_ranks_sums(self, row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank calls it at the same step (one all-reduce): reduced()'s sums and table, this
+        rank's row in it row."""
+        return self.reduced(all_reduce(self.local_sums(row)))
+
     def all_ranks(self) -> Sums:
         """Every rank calls it (an all-reduce): the sums over all ranks."""
         return Sums.of(self.all_ranks_sums()[0])
+
+    def validation_record(self, both: torch.Tensor) -> dict:
+        """All ranks' local_sums(), summed, as Sums.validation_record: val_loss, val_acc (val_acc5),
+        val_images."""
+        return Sums.of(self.reduced(both)[0]).validation_record()
 
     def since_record(self) -> dict:
         """Every rank calls it (an all-reduce): loss, accuracy and speed since the last record
@@ -341,6 +392,7 @@ class StepRecords:
         if self.meter is not None:
             state["sums"] = self.meter.all_ranks_sums()[0]
             state["recorded"] = self.meter.recorded
+            state["others"] = self.meter.all_ranks_others()
         return state
 
     def load_state_dict(self, state: dict) -> None:

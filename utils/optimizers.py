@@ -11,11 +11,16 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .ranks import local_shard, unwrap
+from .ranks import Wrapped, local_shard, unwrap
 
 
-def build_optimizer(params, args) -> torch.optim.Optimizer:
-    """--optimizer with its peak lr and weight decay (check_args fills their defaults)."""
+def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer | Each:
+    """--optimizer over the model's parameters, with its peak lr and weight decay (check_args
+    fills their defaults); models trained together (a GAN): one each, run.optimizer["generator"].
+    """
+    if isinstance(model, Wrapped):
+        return Each({name: build_optimizer(part, args) for name, part in model.items()})
+    params = model.parameters()
     # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of
     # all the weights; not with float16 (FSDP's gradient scaler checks overflow on all ranks on the
     # foreach path only), nor for SGD (FSDP's shards have no fused SGD; and where float16's scaler
@@ -28,6 +33,34 @@ def build_optimizer(params, args) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
+
+
+class Each(dict):
+    """The optimizers (or schedulers) of models trained together, by the model's name: saved,
+    restored, stepped and timed together; param_groups and state are all of theirs."""
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, part in self.items():
+            part.load_state_dict(state[name])
+
+    def step(self) -> None:
+        for part in self.values():
+            part.step()
+
+    def register_step_pre_hook(self, hook: Callable) -> None:
+        for part in self.values():
+            part.register_step_pre_hook(hook)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for part in self.values() for group in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {key: value for part in self.values() for key, value in part.state.items()}
 
 
 class WarmupCosine:
@@ -46,9 +79,12 @@ class WarmupCosine:
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, steps: int, warmup: float
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning-rate schedule, stepped per optimizer step."""
+    optimizer: torch.optim.Optimizer | Each, steps: int, warmup: float
+) -> torch.optim.lr_scheduler.LambdaLR | Each:
+    """The learning-rate schedule, stepped per step (models trained together: one for each
+    optimizer, run.scheduler["generator"])."""
+    if isinstance(optimizer, Each):
+        return Each({name: warmup_cosine(part, steps, warmup) for name, part in optimizer.items()})
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(steps, warmup))
 
 

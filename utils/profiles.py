@@ -24,6 +24,7 @@ from torch.profiler import profile
 
 from .errors import UsageError
 from .internals import tree_flatten
+from .ranks import Wrapped
 
 log = logging.getLogger("train")
 
@@ -37,7 +38,7 @@ DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, OUTER = range(len(PHASES))
 # A rank is slow in a phase of its own work where its time there exceeds the other ranks' median
 # by over a fifth of a step and 5 ms, over at least 16 steps, both on average and in its typical
 # (median) step: each step, every rank waits for its excess. Even runs stay below it: two ranks'
-# phases differed by up to 12% of a step on a loaded 2-core host (docs/speed.md), and a tiny
+# phases differed by up to 17% of a step on a loaded 2-core host (docs/speed.md), and a tiny
 # model's steps of a few ms on a machine doing other work by 2.7 ms and, in CI, by 5.7 ms on
 # average (a scheduler's hiccups, named as a slow backward when a hiccup in a few steps counted as
 # a rank slow in all); a record of fewer steps is too short to tell.
@@ -49,7 +50,8 @@ MIN_STEPS = 16
 class StepPhases:
     """This rank's time in each phase, since the last record and in this epoch: Meter.timed
     marks the data, hooks the rest (watch); one phase runs at a time, so a record's phases add
-    up to its steps' time."""
+    up to its steps' time. A step is counted at its first optimizer step after its data, however
+    many forwards and optimizer steps it takes (a GAN's two)."""
 
     def __init__(self, device: torch.device, outer: bool = False):
         self.names = PHASES[: OUTER + outer]
@@ -57,6 +59,8 @@ class StepPhases:
         self.seconds = [0.0] * len(self.names)
         self.step = [0.0] * len(self.names)  # the step under way's
         self.steps = 0
+        self.counted = False  # whether the step under way has been counted
+        self.step_watchers = []  # told as each step begins: --profile's count
         self.step_rows = []  # each step's seconds a phase, since the last read
         self.epoch = torch.zeros(len(self.names) + 1, dtype=torch.float64)  # seconds, steps
         self.epoch_steps = []  # the epoch's records' step rows (tensors)
@@ -69,14 +73,22 @@ class StepPhases:
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The model's forward hook marks the backward's start, the optimizer's step hook its
-        phase."""
-        # a forward begins its phase (an accumulated step's later micro-batches, read beforehand)
-        model.register_forward_pre_hook(lambda module, inputs: self.enter(FORWARD, module))
-        model.register_forward_hook(self.forward_ends)
+        phase (models trained together: each one's, each optimizer's)."""
+        for part in model.values() if isinstance(model, Wrapped) else [model]:
+            # a forward begins its phase (an accumulated step's later micro-batches, read before)
+            part.register_forward_pre_hook(lambda module, inputs: self.enter(FORWARD, module))
+            part.register_forward_hook(self.forward_ends)
         optimizer.register_step_pre_hook(lambda *_: self.enter(OPTIMIZER))
         # FSDP's forward and backward hold its collectives: waits for the others
         if hasattr(getattr(model, "_orig_mod", model), "unshard"):
             self.own = (DATA, OPTIMIZER)
+
+    def new_step(self) -> None:
+        """The loop's next step begins: its first optimizer step counts it (a GAN's second does
+        not)."""
+        self.counted = False
+        for watcher in self.step_watchers:
+            watcher()
 
     def forward_ends(self, module: nn.Module, inputs, outputs) -> None:
         """A training forward's end: the first gradient at its outputs begins the backward."""
@@ -121,13 +133,15 @@ class StepPhases:
         if self.phase in (None, phase) or (module is not None and not module.training):
             return
         now = self.now()
-        # the optimizer's step ends a step's row (and begins the next one's)
+        # a step's first optimizer step ends its row (and begins the next one's)
+        step_ends = phase == OPTIMIZER and not self.counted
         if self.gpu:
-            self.pending.append((self.phase, self.since, now, phase == OPTIMIZER))
+            self.pending.append((self.phase, self.since, now, step_ends))
         else:
-            self.add(self.phase, now - self.since, phase == OPTIMIZER)
-        if phase == OPTIMIZER:
+            self.add(self.phase, now - self.since, step_ends)
+        if step_ends:
             self.steps += 1
+        self.counted = phase != DATA and (self.counted or step_ends)
         self.phase, self.since = phase, now
         self.tell(phase)
 
@@ -239,10 +253,12 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.steps = steps_to_profile(spec)
         self.path = output_dir / "profile" / f"rank{rank}.json"
         self.profiler = self.phase = None
-        self.done = 0  # optimizer steps begun
+        self.done = 0  # steps begun: a step's first optimizer step (a GAN's are two)
+        self.counted = False  # whether the step under way has been counted
         self.started = False
         if self.steps is not None:
             phases.watchers.append(self.enter)
+            phases.step_watchers.append(self.new_step)
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -254,11 +270,15 @@ class StepProfiler(contextlib.AbstractContextManager):
                 f" optimizer steps, before step {first}"
             )
 
+    def new_step(self) -> None:
+        self.counted = False
+
     def enter(self, phase: int | None) -> None:
         """A phase begins (None: the epoch's steps ended): the profile starts with step A's data,
         ends with step B + 1's, and the range before it ends."""
-        if phase == OPTIMIZER:
+        if phase == OPTIMIZER and not self.counted:
             self.done += 1
+        self.counted = phase not in (DATA, None) and (self.counted or phase == OPTIMIZER)
         if phase in (DATA, None) and self.done == self.steps[1]:
             self.stop()
         if self.phase is not None:

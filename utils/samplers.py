@@ -202,3 +202,27 @@ def check_not_a_stream(sampler, train_set) -> None:
             " (an IterableDataset), which has no indices to sample: return None, or a map-style"
             " Dataset"
         )
+
+
+class ValidationShares(Sampler):
+    """Validation's batches of this rank's samples (indices: range(rank, len(val_set), W), every
+    sample once): its share of each global batch of batch_size in the set's order, so that a loss
+    over the whole batch (batches.whole_batch) sees one process's batches. A last batch of fewer
+    samples than ranks joins the one before it: every rank has the same number of batches (but
+    for a set of fewer samples than ranks)."""
+
+    def __init__(self, indices: range, batch_size: int):
+        self.indices = indices
+        self.starts = list(range(0, indices.stop, batch_size))
+        if len(self.starts) > 1 and indices.stop - self.starts[-1] < indices.step:
+            self.starts.pop()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __iter__(self):
+        first, end, step = self.indices.start, self.indices.stop, self.indices.step
+        for start, stop in zip(self.starts, [*self.starts[1:], end]):
+            share = list(range(start + (first - start) % step, stop, step))
+            if share:  # a set of fewer samples than ranks: none for the last ranks
+                yield share

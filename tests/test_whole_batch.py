@@ -1,0 +1,190 @@
+"""A loss over the whole global batch (contrastive learning's in-batch negatives, CLIP): through batches.whole_batch in
+the user's compute_loss, any number of processes trains and validates what one process does, also where the ranks'
+parts differ in size, and a run stopped by SIGTERM and continued what a straight run does; parts that cannot join end
+every rank with one line naming the user's call; batch norm without --sync-bn is said at the start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from processes import (
+    OFFLINE,
+    ends_every_rank_with,
+    max_weight_difference,
+    metrics,
+    run_parallel,
+    steps,
+)
+from test_your_own_data import COMMON, copy_with_your_functions, launch
+
+YOUR_PAIRS = '''
+class Pairs(torch.utils.data.Dataset):
+    """Pairs of views of one thing: a vector of 16 and a noisy linear image of it (an image and its caption, say)."""
+
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        mixing = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+        self.a = torch.randn(size, 16, generator=generator)
+        self.b = self.a @ mixing + 0.3 * torch.randn(size, 16, generator=generator)
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, index):
+        return {"a": self.a[index], "b": self.b[index]}, 0
+
+
+class TwoTowers(nn.Module):
+    """An encoder for each view, normalised embeddings; CLIP's learned temperature beside them (log 10 at first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.b = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.logit_scale = nn.Parameter(torch.tensor(2.3)) if LOSS == "clip" else None
+
+    def forward(self, a, b):
+        return F.normalize(self.a(a), dim=1), F.normalize(self.b(b), dim=1), self.logit_scale
+
+
+def build_datasets(args):
+    return Pairs(256, seed=1), Pairs(203, seed=2), 1
+
+
+def build_model(args, num_classes):
+    return TwoTowers()
+
+
+def compute_loss(outputs, targets):
+    """InfoNCE over the whole global batch: each pair's other views in the batch are its negatives."""
+    preempt()
+    a, b, logit_scale = outputs
+    # every rank's embeddings, with their gradients: the same loss on every rank
+    a, b = batches.whole_batch(a), batches.whole_batch(b)
+    labels = torch.arange(len(a), device=a.device)
+    if LOSS == "clip":  # CLIP's symmetric loss, its temperature learned
+        logits = logit_scale.exp() * a @ b.T
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return F.cross_entropy(a @ b.T / 0.1, labels)
+
+
+def preempt():
+    """A scheduler's SIGTERM to rank 1 at its STOP_AT-th training loss (the start-up check's first)."""
+    global calls
+    calls += torch.is_grad_enabled()
+    if os.environ.get("RANK", "0") == "1" and calls == int(os.environ.get("STOP_AT", 0)):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+calls = 0
+'''
+
+
+def yours(loss: str) -> str:
+    return f"import os\nimport signal\nLOSS = {loss!r}\n" + YOUR_PAIRS
+
+
+FLAGS = [*COMMON, "--batch-size", "64", "--optimizer", "adamw", "--lr", "0.01", "--print-freq", "2"]
+
+
+@pytest.mark.parametrize("loss", ["infonce", "clip"])
+def test_a_loss_over_the_whole_batch_trains_and_validates_on_2_and_3_processes_what_1_does(
+    tmp_path, loss
+):
+    """InfoNCE (temperature 0.1) and CLIP's symmetric loss with a learned temperature, each over batches.whole_batch
+    of two towers' embeddings, batch 64: 2 processes (32 + 32) and 3 (22 + 21 + 21) train the weights of 1 (1e-5)
+    and record its val_loss over 203 validation pairs (1e-6), its train_loss too; the loss falls. The InfoNCE run
+    stopped by SIGTERM mid-epoch and continued == the straight run (1e-6), each record once; distributed_fsdp.py on
+    2 processes trains what distributed.py does on 1 (1e-5)."""
+    script = copy_with_your_functions("distributed.py", tmp_path / "copy", yours(loss))
+    runs = {name: tmp_path / name for name in ("1", "2", "3", "stopped")}
+    commands = [
+        (launch(script, int(name), *FLAGS, "--output-dir", runs[name]), OFFLINE, tmp_path)
+        for name in "123"
+    ]
+    if loss == "infonce":
+        # SIGTERM at rank 1's 7th training loss: the start-up check's, then step 6 of 12 (epoch 2)
+        stopped = launch(script, 2, *FLAGS, "--output-dir", runs["stopped"])
+        commands.append((stopped, {**OFFLINE, "STOP_AT": "7"}, tmp_path))
+        # FSDP's step takes the same call
+        fsdp = copy_with_your_functions("distributed_fsdp.py", tmp_path / "fsdp-copy", yours(loss))
+        commands.append(
+            (launch(fsdp, 2, *FLAGS, "--output-dir", tmp_path / "fsdp"), OFFLINE, tmp_path)
+        )
+    run_parallel(commands, check=False)
+    differences = {n: max_weight_difference(runs[n], runs["1"]) for n in "23"}
+    if loss == "infonce":
+        differences["FSDP on 2"] = max_weight_difference(tmp_path / "fsdp", runs["1"])
+    val = {n: [m["val_loss"] for m in metrics(runs[n])] for n in "123"}
+    train = {n: [r["train_loss"] for r in steps(runs[n]) if "train_loss" in r] for n in "123"}
+    print(f"{loss}: 2 and 3 processes against 1: weights {differences}, val_loss {val}")
+    assert max(differences.values()) <= 1e-5, differences
+    for n in "23":
+        assert val[n] == pytest.approx(val["1"], abs=1e-6), (n, val)
+        assert train[n] == pytest.approx(train["1"], abs=1e-5), (n, train)
+    assert val["1"][-1] < val["1"][0] < 4.1, val  # below ln(64) = 4.16, the untrained loss
+    assert [m["val_images"] for m in metrics(runs["3"])] == [203] * 3
+    if loss == "infonce":
+        state = torch.load(runs["stopped"] / "checkpoint.pt", weights_only=True)
+        assert (state["epoch"], 0 < state["step"] < 4) == (1, True), (state["epoch"], state["step"])
+        run_parallel(
+            [(launch(script, 2, *FLAGS, "--output-dir", runs["stopped"]), OFFLINE, tmp_path)]
+        )
+        difference = max_weight_difference(runs["stopped"], runs["2"])
+        print(
+            f"{loss}: stopped after step {state['step']} of epoch 2 and continued, against straight: {difference:.2g}"
+        )
+        assert difference <= 1e-6
+        assert [r["global_step"] for r in steps(runs["stopped"])] == [
+            r["global_step"] for r in steps(runs["2"])
+        ]
+
+
+def test_parts_that_cannot_join_end_every_rank_with_one_line_naming_the_call(tmp_path):
+    """A compute_loss that gathers parts of another width on each rank: every rank ends with one line naming its call
+    and the ranks' shapes, at the start-up check, not gloo's abort."""
+    wrong = yours("infonce").replace(
+        "    a, b = batches.whole_batch(a), batches.whole_batch(b)\n",
+        "    a, b = batches.whole_batch(a), batches.whole_batch(b)\n"
+        "    batches.whole_batch(torch.zeros(len(a), 1 + int(os.environ.get('RANK', '0'))))\n",
+    )
+    script = copy_with_your_functions("distributed.py", tmp_path / "copy", wrong)
+    (result,) = run_parallel(
+        [(launch(script, 2, *FLAGS, "--output-dir", tmp_path / "out"), OFFLINE, tmp_path)],
+        check=False,
+    )
+    lines = script.read_text().splitlines()
+    number = 1 + next(i for i, line in enumerate(lines) if "int(os.environ.get('RANK'" in line)
+    ends_every_rank_with(
+        result,
+        f"error: whole_batch at distributed.py:{number}: the ranks' parts differ beyond their samples (dim 0):"
+        " [1] float32, [2] float32",
+    )
+
+
+def test_batch_norm_without_sync_bn_is_said_in_one_line_at_the_start_on_2_processes(tmp_path):
+    """The user's towers with batch norm on 2 processes, without --sync-bn: one line at the start says that its
+    statistics are each rank's part's; with --sync-bn, and for the main job's tiny model (group norm), none."""
+    with_norm = yours("infonce").replace(
+        "nn.Linear(16, 32), nn.Tanh()", "nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh()"
+    )
+    tiny = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "256", "--image-size", "16"]
+    cases = {
+        "batch norm": (with_norm, FLAGS),
+        "batch norm, --sync-bn": (with_norm, [*FLAGS, "--sync-bn"]),
+        "group norm": (None, [*tiny, "--epochs", "1", "--workers", "0", "--timeout", "60"]),
+    }
+    commands = []
+    for i, (code, flags) in enumerate(cases.values()):
+        script = copy_with_your_functions("distributed.py", tmp_path / f"copy{i}", code)
+        commands.append(
+            (launch(script, 2, *flags, "--output-dir", tmp_path / f"out{i}"), OFFLINE, tmp_path)
+        )
+    said = {name: result.stdout for name, result in zip(cases, run_parallel(commands))}
+    line = (
+        "batch norm (2 layers, a.1 first) normalises each rank's part of the batch: its statistics change with the"
+        " number of processes; --sync-bn makes them the global batch's"
+    )
+    assert [said[name].count(line) for name in cases] == [1, 0, 0], said
+    assert "batch norm (" not in said["group norm"]
