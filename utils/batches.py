@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -23,15 +23,19 @@ from .ranks import all_reduce, share, world_size
 from .samplers import Batches
 
 
-class Counted(functools.partial):
-    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples;
-    picklable. What a library refuses in collate (default_collate: samples of two sizes) is one
-    line at the user's line, at the start-up check or mid-epoch, in a worker or not
-    (errors.refused_as_one_line); an error collate raises itself is the user's."""
+class Counted:
+    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples
+    (pickled to the workers with the collate it holds). What a library refuses in collate
+    (default_collate: samples of two sizes) is one line at the user's line, at the start-up check
+    or mid-epoch, in a worker or not (errors.refused_as_one_line); an error collate raises itself
+    is the user's."""
+
+    def __init__(self, collate: Callable[[list], object]):
+        self.collate = collate
 
     def __call__(self, samples: list) -> tuple[int, object]:
         with refused_as_one_line("collate cannot batch its samples", then="; pad them"):
-            return len(samples), super().__call__(samples)
+            return len(samples), self.collate(samples)
 
 
 def forward(model: nn.Module, inputs):
