@@ -77,6 +77,10 @@ def whole_batch(part: torch.Tensor) -> torch.Tensor:
     (a contrastive loss's negatives: all of the batch), and run.backward() makes the gradient one
     process's. On one process: part itself. Every rank calls it, as often, in training and
     validation (all-gathers)."""
+    if not 1 <= part.dim() <= 10:
+        raise UsageError(
+            f"whole_batch takes a tensor of a batch's samples, not {tuple(part.shape)}"
+        )
     if world_size() == 1:
         return part
     # every rank's shape and dtype: parts that cannot join end every rank with one line
