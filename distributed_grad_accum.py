@@ -122,6 +122,44 @@ def train_step(run: Training, micro_batches) -> dict:
     return dict(grad_norm=grad_norm)
 
 
+def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
+    """train_step for a loss over the whole batch (compute_loss calls batches.whole_batch), which
+    needs all of the step's outputs at once, as GradCache and open_clip's --accum-freq compute it:
+    each micro-batch's forward without gradients, the loss over the whole step and its gradient at
+    the outputs, then each micro-batch's forward again (drawing what it drew: dropout) and its
+    backward from its rows of that gradient. K micro-batches train what one batch K times larger
+    does, with one micro-batch's activations in memory, for a second forward's time."""
+    model, optimizer = run.model, run.optimizer
+    optimizer.zero_grad(set_to_none=True)
+    micro_batches = list(micro_batches)  # the step's inputs, for the second forward
+    samples = [n for _, _, n in micro_batches]
+    parts, draws = [], []
+    # the outputs without gradients; batch-norm statistics move in the second forward only
+    with torch.no_grad(), batch_norm.statistics_kept(model):
+        for inputs, _, _ in micro_batches:
+            draws.append(seeds.model_streams())
+            parts.append(batches.forward(model, inputs))
+    outputs = batches.Joined(parts, samples, grad=True)
+    targets = batches.Joined([targets for _, targets, _ in micro_batches], samples).whole
+    # the loss over all ranks' whole step (whole_batch's all-gathers), its gradient at the outputs
+    loss = compute_loss(outputs.whole, targets)
+    items = run.backward(loss, sum(samples))
+    run.recorder.meter.update(loss, outputs.whole, targets, sum(samples))
+    for i, (inputs, _, _) in enumerate(micro_batches):
+        # DDP all-reduces in the last micro-batch's backward only
+        with nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
+            seeds.draw_again(draws[i])
+            outputs.backward(i, batches.forward(model, inputs))
+    if not isinstance(loss, torch.Tensor):
+        divide_by_items(model, items, run.samples[1])
+    grad_norm = None
+    if run.args.clip_grad:
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.args.clip_grad)
+    optimizer.step()
+    run.scheduler.step()
+    return dict(grad_norm=grad_norm)
+
+
 @torch.no_grad()
 def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
     """The gradients of the loss sums divided by the samples of the step (DDP averaged the ranks')
@@ -308,6 +346,7 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
+    whole_batch: bool = False  # compute_loss calls batches.whole_batch: train_step_over_whole_batch
     samples: tuple[int | None, int] = (None, 0)  # the step's: all ranks' in [1]
 
     def backward(self, loss, samples: int) -> torch.Tensor | int:
@@ -332,8 +371,10 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
     k = run.args.accum_steps
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint, micro_batches=k)
+    # a loss over the whole batch needs every micro-batch's outputs before the first backward
+    step = train_step_over_whole_batch if run.whole_batch else train_step
     for micro_batches in steps:
-        result = train_step(run, micro_batches)
+        result = step(run, micro_batches)
         run.ema.update()  # --ema: the average moves toward the new weights
         steps.done(result)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
@@ -471,6 +512,8 @@ def main(teardown: ExitStack) -> None:
     flops_per_sample, convolutions, _ = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
+    # its loss over the whole batch (batches.whole_batch) is over all of a step's micro-batches
+    whole_batch = batches.WholeBatch.calls > 0
     # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
     # (PyTorch's SyncBatchNorm has no CPU kernel: on CPU processes the same statistics over gloo)
     if args.sync_bn and device.type == "cuda":
@@ -530,6 +573,7 @@ def main(teardown: ExitStack) -> None:
         recorder=recorder,
         val_metrics=val_metrics,
         saves=saves,
+        whole_batch=whole_batch,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"

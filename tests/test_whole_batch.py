@@ -188,3 +188,79 @@ def test_batch_norm_without_sync_bn_is_said_in_one_line_at_the_start_on_2_proces
     )
     assert [said[name].count(line) for name in cases] == [1, 0, 0], said
     assert "batch norm (" not in said["group norm"]
+
+
+def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_times_larger_does(
+    tmp_path,
+):
+    """distributed_grad_accum.py, InfoNCE over batches.whole_batch, batch 64: --accum-steps 4 (each micro-batch's
+    forward without gradients, the loss over the whole step, then each forward again and its rows of the loss's
+    gradient) on 1 and on 2 processes trains the weights of --accum-steps 1 (1e-5) and records its train_loss; so
+    does CLIP (with SGD), whose learned temperature is in every micro-batch's outputs and gets its gradient once;
+    2 processes validate what 1 does; the
+    second forward draws what the first drew."""
+    scripts = {
+        loss: copy_with_your_functions("distributed_grad_accum.py", tmp_path / loss, yours(loss))
+        for loss in ("infonce", "clip")
+    }
+    # the model's draws, in order, each with whether gradients were on
+    drawing = yours("infonce").replace(
+        "    def forward(self, a, b):\n",
+        "    def forward(self, a, b):\n"
+        "        with open(os.environ['DRAWS'], 'a') as file:\n"
+        "            file.write(f'{torch.is_grad_enabled():d} {torch.rand(()).item()!r}\\n')\n",
+    )
+    scripts["draws"] = copy_with_your_functions(
+        "distributed_grad_accum.py", tmp_path / "draws", drawing
+    )
+    runs = {  # name: (script, processes, K)
+        "infonce 1 x 1": ("infonce", 1, 1),
+        "infonce 1 x 4": ("infonce", 1, 4),
+        "infonce 2 x 4": ("infonce", 2, 4),
+        "clip 1 x 1": ("clip", 1, 1),
+        "clip 2 x 4": ("clip", 2, 4),
+        "draws": ("draws", 1, 4),
+    }
+    draws = tmp_path / "draws.txt"
+    commands = [
+        (
+            launch(
+                scripts[loss], n, *FLAGS, "--accum-steps", str(k), "--output-dir", tmp_path / name
+            ),
+            {**OFFLINE, "DRAWS": str(draws)},
+            tmp_path,
+        )
+        for name, (loss, n, k) in runs.items()
+    ]
+    commands[-1][0].extend(["--epochs", "1"])
+    for command in commands[3:5]:  # SGD: a temperature's gradient taken K times would show
+        command[0].extend(["--optimizer", "sgd", "--lr", "0.01"])
+    run_parallel(commands)
+    differences = {
+        name: max_weight_difference(tmp_path / name, tmp_path / f"{name.split()[0]} 1 x 1")
+        for name in ("infonce 1 x 4", "infonce 2 x 4", "clip 2 x 4")
+    }
+    train = {
+        name: [r["train_loss"] for r in steps(tmp_path / name) if "train_loss" in r]
+        for name in runs
+    }
+    val = {name: [m["val_loss"] for m in metrics(tmp_path / name)] for name in runs}
+    print(f"--accum-steps 4 against 1: weights {differences}, val_loss {val}")
+    assert max(differences.values()) <= 1e-5, differences
+    for name in differences:
+        assert train[name] == pytest.approx(train[f"{name.split()[0]} 1 x 1"], abs=1e-5), (
+            name,
+            train,
+        )
+    assert val["infonce 2 x 4"] == pytest.approx(val["infonce 1 x 4"], abs=1e-6), val
+    assert val["infonce 1 x 4"][-1] < val["infonce 1 x 4"][0], val
+    # each step: 4 forwards without gradients, then 4 with, drawing the same 4 numbers
+    lines = [line.split() for line in draws.read_text().splitlines()]
+    steps_drawn = [
+        (lines[i : i + 4], lines[i + 4 : i + 8])
+        for i in range(len(lines) - 7)
+        if [grad for grad, _ in lines[i : i + 8]] == ["0"] * 4 + ["1"] * 4
+    ]
+    assert len(steps_drawn) == 256 // 64, lines
+    for first, again in steps_drawn:
+        assert [x for _, x in first] == [x for _, x in again] and len({x for _, x in first}) == 4

@@ -59,16 +59,43 @@ def train_step(run, inputs, targets) -> dict:
     run.backward(loss)
     optimizer.step()
     run.scheduler.step()
-    return dict(loss=loss, outputs=outputs)
+    return dict(loss=loss, outputs=outputs, corruption=(noisy - inputs).pow(2).mean())
 '''
+
+# the same step over distributed_grad_accum.py's micro-batches
+YOUR_DENOISING_IN_MICRO_BATCHES = (
+    YOUR_DENOISING.split("def train_step")[0]
+    + """
+def train_step(run, micro_batches) -> dict:
+    model, optimizer = run.model, run.optimizer
+    optimizer.zero_grad(set_to_none=True)
+    corruption = 0
+    for i, (inputs, targets, samples) in enumerate(micro_batches, 1):
+        with nullcontext() if i == run.args.accum_steps else model.no_sync():
+            noisy = inputs + 0.5 * torch.sin(3 * inputs)
+            outputs = model(noisy)
+            loss = compute_loss(outputs, inputs)
+            run.backward(loss, samples)
+        run.recorder.meter.update(loss, outputs, targets, samples)
+        corruption = corruption + (noisy - inputs).pow(2).mean() * samples / run.args.batch_size
+    optimizer.step()
+    run.scheduler.step()
+    return dict(grad_norm=None, corruption=corruption * dist.get_world_size())
+"""
+)
 
 
 def test_a_denoising_step_of_yours_trains_on_2_processes_what_1_does_and_continues_exactly(
     tmp_path,
 ):
     """The user's train_step corrupts the inputs and reconstructs them: 2 x 16 == 1 x 32 (1e-5), a run stopped
-    after its first epoch and continued == the straight run, each step's record once, and the validation loss falls below a third of the untrained one."""
+    after its first epoch and continued == the straight run, each step's record once, and the validation loss falls
+    below a third of the untrained one. The same step over distributed_grad_accum.py's 2 micro-batches on 2
+    processes trains the same weights; the step's other number (the corruption) is recorded alike by both."""
     script = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_DENOISING)
+    accumulated = copy_with_your_functions(
+        "distributed_grad_accum.py", tmp_path / "accum", YOUR_DENOISING_IN_MICRO_BATCHES
+    )
     flags = [*COMMON, "--print-freq", "4", "--optimizer", "adamw", "--lr", "0.03"]
     runs = {
         "one": launch(script, 1, *flags, "--output-dir", tmp_path / "one"),
@@ -76,14 +103,31 @@ def test_a_denoising_step_of_yours_trains_on_2_processes_what_1_does_and_continu
         "stopped": launch(
             script, 2, *flags, "--stop-after", "1", "--output-dir", tmp_path / "stopped"
         ),
+        "accumulated": launch(
+            accumulated, 2, *flags, "--accum-steps", "2", "--output-dir", tmp_path / "accumulated"
+        ),
     }
     run_parallel([(cmd, OFFLINE, tmp_path) for cmd in runs.values()])
     continued = launch(script, 2, *flags, "--output-dir", tmp_path / "stopped")
     run_parallel([(continued, OFFLINE, tmp_path)])
-    one, two, stopped = (tmp_path / name for name in runs)
-    differences = max_weight_difference(two, one), max_weight_difference(stopped, two)
-    print(f"denoising: 2 x 16 against 1 x 32 {differences[0]:.2g}, continued {differences[1]:.2g}")
-    assert differences[0] <= 1e-5 and differences[1] <= 1e-6, differences
+    one, two, stopped, accumulated = (tmp_path / name for name in runs)
+    differences = [
+        max_weight_difference(two, one),
+        max_weight_difference(stopped, two),
+        max_weight_difference(accumulated, one),
+    ]
+    print(
+        f"denoising: 2 x 16 against 1 x 32 {differences[0]:.2g}, continued {differences[1]:.2g},"
+        f" 2 x 2 micro-batches of 8 against 1 x 32 {differences[2]:.2g}"
+    )
+    assert differences[0] <= 1e-5 and differences[1] <= 1e-6 and differences[2] <= 1e-5, differences
+    corruption = {
+        out: [r["train_corruption"] for r in steps(out) if "train_loss" in r]
+        for out in (one, accumulated)
+    }
+    assert (
+        corruption[accumulated] == pytest.approx(corruption[one], rel=1e-5) and corruption[one]
+    ), corruption
     losses = [m["val_loss"] for m in metrics(two)]
     # below a third of what predicting 0 scores: the validation set's mean square
     untrained = users_code(YOUR_DENOISING)["Vectors"](203, seed=2).x.pow(2).mean().item()

@@ -1,8 +1,11 @@
 """Batch norm over the global batch on CPU processes (--sync-bn on gloo): PyTorch's SyncBatchNorm
 has no CPU kernel, so there each batch-norm layer becomes a GlobalBatchNorm, whose batch mean and
-variance are all-reduced over the ranks with their gradients, for any part sizes."""
+variance are all-reduced over the ranks with their gradients, for any part sizes; statistics_kept
+puts a model's back after a forward that must not move them."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -97,3 +100,14 @@ def convert_to_global(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         module.add_module(name, convert_to_global(child))
     return module
+
+
+@contextlib.contextmanager
+def statistics_kept(model: nn.Module):
+    """The block's forwards leave the model's batch-norm statistics (all its buffers) as they were:
+    a step that is undone, a forward that the step runs again."""
+    saved = [buffer.clone() for buffer in model.buffers()]
+    yield
+    with torch.no_grad():
+        for buffer, kept in zip(model.buffers(), saved):
+            buffer.copy_(kept)

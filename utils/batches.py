@@ -1,7 +1,8 @@
 """Any batch of any task: counted as the samples collate received (Counted), moved to the device
 (batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward;
-a token count summed over the ranks during DDP's backward, CountShares); an epoch's loader
-(epoch_loader, steps_per_epoch, first_samples).
+a token count summed over the ranks during DDP's backward, CountShares); a loss over the whole
+batch (whole_batch), over a whole step of micro-batches (Joined); an epoch's loader (epoch_loader,
+steps_per_epoch, first_samples).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .errors import OURS, UsageError, raised_in, refused_as_one_line
-from .internals import tree_map_only
+from .internals import tree_flatten, tree_map_only, tree_unflatten
 from .ranks import all_reduce, share, world_size
 from .samplers import Batches
 
@@ -52,6 +53,8 @@ class WholeBatch(torch.autograd.Function):
     the whole batch the same, weighted by its part (the weights add up to the world size), DDP's
     mean of the ranks' gradients is then one process's."""
 
+    calls = 0  # whole_batch's, in this process: distributed_grad_accum.py's step reads it
+
     @staticmethod
     def forward(ctx, part: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         ctx.sizes = sizes
@@ -77,6 +80,7 @@ def whole_batch(part: torch.Tensor) -> torch.Tensor:
     (a contrastive loss's negatives: all of the batch), and run.backward() makes the gradient one
     process's. On one process: part itself. Every rank calls it, as often, in training and
     validation (all-gathers)."""
+    WholeBatch.calls += 1
     if not 1 <= part.dim() <= 10:
         raise UsageError(
             f"whole_batch takes a tensor of a batch's samples, not {tuple(part.shape)}"
@@ -102,6 +106,57 @@ def whole_batch(part: torch.Tensor) -> torch.Tensor:
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+
+
+class Joined:
+    """A step's micro-batches' outputs (or targets) as one batch's, .whole, for a loss over the
+    whole step (GradCache; open_clip's --accum-freq): a tensor of a row per sample concatenated,
+    any other (a learned temperature) the first micro-batch's, which must be each one's. grad: each
+    floating-point tensor a leaf that the loss's backward leaves its gradient at, which
+    backward(i, outputs) sends back through micro-batch i's outputs computed again."""
+
+    def __init__(self, parts: list, samples: list[int], grad: bool = False):
+        self.samples = samples
+        flat = [tree_flatten(part) for part in parts]
+        if any(spec != flat[0][1] for _, spec in flat):
+            raise UsageError("the micro-batches' outputs differ in structure: they cannot join")
+        self.leaves, self.per_sample = [], []
+        for tensors in zip(*[leaves for leaves, _ in flat]):
+            whole = tensors[0]
+            per_sample = all(
+                isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == n
+                for t, n in zip(tensors, samples)
+            )
+            if per_sample:
+                whole = torch.cat(tensors)
+            elif isinstance(whole, torch.Tensor) and any(not whole.equal(t) for t in tensors):
+                raise UsageError(
+                    f"a {tuple(whole.shape)} tensor of the outputs is neither a row per sample nor"
+                    " the same in every micro-batch: a loss over the whole step cannot join it"
+                )
+            if grad and isinstance(whole, torch.Tensor):
+                whole = whole.detach().requires_grad_(whole.is_floating_point())
+            self.leaves.append(whole)
+            self.per_sample.append(per_sample)
+        self.whole = tree_unflatten(self.leaves, flat[0][1])
+
+    def backward(self, i: int, outputs) -> None:
+        """Micro-batch i's backward from its rows of the gradient at .whole (from the other
+        tensors' whole gradient in the last micro-batch, whose backward DDP all-reduces in)."""
+        start = sum(self.samples[:i])
+        last = i == len(self.samples) - 1
+        tensors, grads = [], []
+        for again, whole, per_sample in zip(tree_flatten(outputs)[0], self.leaves, self.per_sample):
+            if not isinstance(whole, torch.Tensor) or whole.grad is None:
+                continue
+            if per_sample:
+                tensors.append(again)
+                grads.append(whole.grad[start : start + self.samples[i]])
+            elif last:
+                tensors.append(again)
+                grads.append(whole.grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
 
 
 def loss_for_backward(loss, samples: int, batch_size: int, shares: CountShares | None = None):

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
+from .batch_norm import statistics_kept
 from .batches import batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
@@ -146,12 +147,11 @@ def first_step_flops(
     share of them (peaks: cuDNN's TF32 flag rules their float32 precision), and whether the loss
     is a (sum, count) pair; on the way, what would fail or learn nothing ends every rank with one
     line. Every rank calls it."""
-    # Batch-norm statistics, put back afterwards.
-    buffers = [b.clone() for b in model.buffers()]
     devices = []
     if torch.cuda.is_available():
         devices = [torch.cuda.current_device()]
-    with torch.random.fork_rng(devices):
+    # batch-norm statistics and the random streams put back afterwards
+    with torch.random.fork_rng(devices), statistics_kept(model):
         # One rank's error ends every rank with its line; before backward(), a collective under
         # FSDP.
         with errors_shared_by_all_ranks():
@@ -183,8 +183,6 @@ def first_step_flops(
                 loss[0].backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     model.zero_grad(set_to_none=True)
-    for buffer, saved in zip(model.buffers(), buffers):
-        buffer.copy_(saved)
     # Alike on every rank: the same model and code. (Models trained together: the step is yours.)
     if unused and not unused_ok and not isinstance(model, TrainedTogether):
         names = ", ".join(unused[:3])

@@ -65,6 +65,7 @@ class EpochSteps:
             step_samples = samples_in_step(run.train_loader.sampler, step, args.batch_size)
             if self.micro:
                 run.samples = (None, step_samples)
+                self.scored = (0, None)  # the samples of the micro-batches as they come
                 yield self.micro_batches(batch)
                 continue
             run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
@@ -86,6 +87,7 @@ class EpochSteps:
         first = (self.step - 1) * self.micro + 1
         for micro_step, (samples, batch) in enumerate(batches, first):
             self.run.watchdog.batch(self.epoch, micro_step)  # progress, a micro-batch
+            self.scored = (self.scored[0] + samples, None)
             yield *self.on_device(batch, micro_step), samples
 
     def done(self, result: dict, extra: Callable[[], dict] | None = None) -> None:
@@ -100,10 +102,10 @@ class EpochSteps:
                 "train_step must return a dict of the step's loss and outputs (and its grad_norm or"
                 f" None), not {describe_value(result)}"
             )
+        samples, targets = self.scored
         if self.micro is None:
-            samples, targets = self.scored
             self.meter.update(result["loss"], result["outputs"], targets, samples)
-            self.meter.add_others(result, samples)
+        self.meter.add_others(result, samples)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
         # after this step
         signum, last = run.stop.agreed()
