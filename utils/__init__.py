@@ -15,7 +15,7 @@ own utils). In the order a reader of distributed.py meets them:
   as one process draws it, each rank its share of every global batch; validation's shares;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
 - batches: any batch of any task: counted, moved to the device, forwarded, its loss; a loss
-  over the whole global batch (whole_batch);
+  over the whole global batch (whole_batch), over a step's micro-batches (Joined);
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
