@@ -371,10 +371,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
     k = run.args.accum_steps
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint, micro_batches=k)
-    # a loss over the whole batch needs every micro-batch's outputs before the first backward
-    step = train_step_over_whole_batch if run.whole_batch else train_step
     for micro_batches in steps:
-        result = step(run, micro_batches)
+        # a loss over the whole batch needs every micro-batch's outputs before the first backward
+        if run.whole_batch:
+            result = train_step_over_whole_batch(run, micro_batches)
+        else:
+            result = train_step(run, micro_batches)
         run.ema.update()  # --ema: the average moves toward the new weights
         steps.done(result)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
