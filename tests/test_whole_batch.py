@@ -1,7 +1,8 @@
 """A loss over the whole global batch (contrastive learning's in-batch negatives, CLIP): through batches.whole_batch in
 the user's compute_loss, any number of processes trains and validates what one process does, also where the ranks'
 parts differ in size, and a run stopped by SIGTERM and continued what a straight run does; parts that cannot join end
-every rank with one line naming the user's call; batch norm without --sync-bn is said at the start."""
+every rank with one line naming the user's call; a loss over each rank's own part and batch norm without --sync-bn
+are said at the start."""
 
 from __future__ import annotations
 
@@ -163,16 +164,27 @@ def test_parts_that_cannot_join_end_every_rank_with_one_line_naming_the_call(tmp
     )
 
 
-def test_batch_norm_without_sync_bn_is_said_in_one_line_at_the_start_on_2_processes(tmp_path):
-    """The user's towers with batch norm on 2 processes, without --sync-bn: one line at the start says that its
-    statistics are each rank's part's; with --sync-bn, and for the main job's tiny model (group norm), none."""
+def test_what_the_split_changes_is_said_in_one_line_at_the_start_on_2_processes(tmp_path):
+    """On 2 processes, one line at the start each: InfoNCE written over the rank's own part (no
+    whole_batch) names compute_loss, the towers with batch norm without --sync-bn name the layers;
+    none with --sync-bn, for a (sum, count) loss over the samples, or for the main job's tiny model
+    (group norm) and its default cross-entropy."""
     with_norm = yours("infonce").replace(
         "nn.Linear(16, 32), nn.Tanh()", "nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh()"
     )
+    own_part = yours("infonce").replace(
+        "    a, b = batches.whole_batch(a), batches.whole_batch(b)\n", ""
+    )
+    summed = yours("infonce").replace(
+        "    return F.cross_entropy(a @ b.T / 0.1, labels)",
+        "    return (a - b).square().sum(), len(a)",
+    )
     tiny = ["--dataset", "fake", "--arch", "tiny", "--fake-size", "256", "--image-size", "16"]
     cases = {
+        "own part": (own_part, FLAGS),
         "batch norm": (with_norm, FLAGS),
         "batch norm, --sync-bn": (with_norm, [*FLAGS, "--sync-bn"]),
+        "(sum, count)": (summed, FLAGS),
         "group norm": (None, [*tiny, "--epochs", "1", "--workers", "0", "--timeout", "60"]),
     }
     commands = []
@@ -182,11 +194,17 @@ def test_batch_norm_without_sync_bn_is_said_in_one_line_at_the_start_on_2_proces
             (launch(script, 2, *flags, "--output-dir", tmp_path / f"out{i}"), OFFLINE, tmp_path)
         )
     said = {name: result.stdout for name, result in zip(cases, run_parallel(commands))}
-    line = (
-        "batch norm (2 layers, a.1 first) normalises each rank's part of the batch: its statistics change with the"
-        " number of processes; --sync-bn makes them the global batch's"
+    norm = (
+        "batch norm (2 layers, a.1 first) normalises each rank's part of the batch: its statistics"
+        " change with the number of processes; --sync-bn makes them the global batch's"
     )
-    assert [said[name].count(line) for name in cases] == [1, 0, 0], said
+    loss = (
+        "compute_loss couples the samples of a batch (one sample's gradient depends on another's"
+        " outputs): each rank computes it over its own part, another objective on every number of"
+        " processes; batches.whole_batch over the outputs makes it the global batch's"
+    )
+    assert [said[name].count(norm) for name in cases] == [0, 1, 0, 0, 0], said
+    assert [said[name].count(loss) for name in cases] == [1, 0, 0, 0, 0], said
     assert "batch norm (" not in said["group norm"]
 
 

@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from .batch_norm import statistics_kept
-from .batches import batch_to_device, first_samples, forward
+from .batches import WholeBatch, batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
 from .errors import UsageError, first_line, refused_as_one_line
+from .internals import tree_flatten
 from .ranks import TrainedTogether, errors_shared_by_all_ranks, local_shard, log, world_size
 
 
@@ -173,9 +174,9 @@ def first_step_flops(
             with refused_as_one_line("compute_loss cannot take the outputs and targets"):
                 loss = compute_loss(outputs, targets)
             check_loss(loss)
-        # on more processes than one: batch norm that each rank's part changes, said
+        # on more processes than one: a loss or batch norm that each rank's part changes, said
         if world_size() > 1:
-            say_what_the_split_changes(model, args)
+            say_what_the_split_changes(model, args, outputs, loss)
         with ModelFlops(display=False) as backward_flops:
             if isinstance(loss, torch.Tensor):
                 loss.backward()
@@ -316,9 +317,17 @@ def check_loss(loss) -> None:
     )
 
 
-def say_what_the_split_changes(model: nn.Module, args) -> None:
-    """One line where a run on several processes trains another objective than one process: batch
-    norm in training, without --sync-bn where the script has it."""
+def say_what_the_split_changes(model: nn.Module, args, outputs, loss) -> None:
+    """One line each where a run on several processes trains another objective than one process:
+    a loss that couples the samples of a batch (each rank computes it over its own part), batch
+    norm in training without --sync-bn where the script has it."""
+    if WholeBatch.calls == 0 and loss_couples_samples(outputs, loss):
+        log.info(
+            "compute_loss couples the samples of a batch (one sample's gradient depends on"
+            " another's outputs): each rank computes it over its own part, another objective on"
+            " every number of processes; batches.whole_batch over the outputs makes it the global"
+            " batch's"
+        )
     norms = [
         name
         for name, module in model.named_modules()
@@ -333,6 +342,41 @@ def say_what_the_split_changes(model: nn.Module, args) -> None:
             f"batch norm ({len(norms)} layers, {norms[0]} first) normalises each rank's part of the"
             f" batch: its statistics change with the number of processes{cure}"
         )
+
+
+def loss_couples_samples(outputs, loss) -> bool:
+    """Does the first batch's loss mix its samples: the gradient at sample 0's outputs moves with
+    the other samples' outputs (a second derivative of the loss alone, not of the model; zero for
+    a mean or sum over samples, as cross-entropy and a token loss are). A loss without a second
+    derivative is not held against the user."""
+    total = loss if isinstance(loss, torch.Tensor) else loss[0]
+    rows = [
+        t
+        for t in tree_flatten(outputs)[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 0 and len(t) > 1
+    ]
+    if not rows:
+        return False
+    try:
+        grads = torch.autograd.grad(total, rows, create_graph=True, allow_unused=True)
+        pairs = [(t, g) for t, g in zip(rows, grads) if g is not None and g.requires_grad]
+        if not pairs:
+            return False
+        generator = torch.Generator(rows[0].device).manual_seed(0)
+        first = sum(
+            (g[0] * torch.randn(g[0].shape, generator=generator, device=g.device)).sum()
+            for _, g in pairs
+        )
+        tensors = [t for t, _ in pairs]
+        again = torch.autograd.grad(first, tensors, allow_unused=True, retain_graph=True)
+    except RuntimeError:
+        return False
+    again = [h for h in again if h is not None]
+    if not again:
+        return False
+    own = max(float(h[0].abs().max()) for h in again)
+    others = max(float(h[1:].abs().max()) for h in again)
+    return others > 1e-4 * own
 
 
 def check_class_targets(outputs, targets) -> None:
