@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .batches import to_device
 from .errors import UsageError, first_line
+from . import ranks
 from .ranks import errors_shared_by_all_ranks
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -117,9 +117,7 @@ class ImageBatchTransform:
 
     def __call__(self, images: torch.Tensor, key: tuple[int, int] | None = None) -> torch.Tensor:
         if self.padding and key is not None:
-            rank, world = (
-                (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            )
+            rank, world = ranks.rank(), ranks.world_size()
             # a stream per (seed, epoch, step); each image's three draws (two shifts, a flip) in
             # turn, so that an image's draws depend on its place alone, also where the ranks' shares
             # differ by one

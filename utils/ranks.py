@@ -240,6 +240,13 @@ def world_size() -> int:
     return 1
 
 
+def rank() -> int:
+    """This process's place in the run: 0 without a process group."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
 def local_ranks() -> int:
     """The processes of the run on this node (torchrun's LOCAL_WORLD_SIZE; all of them without
     it)."""

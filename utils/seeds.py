@@ -21,8 +21,9 @@ import sys
 import types
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, get_worker_info
+
+from .ranks import rank
 
 
 def derive(*keys) -> int:
@@ -273,8 +274,7 @@ def seed_step(seed: int, epoch: int, step: int) -> None:
     draws what a straight one does. Python's and NumPy's global streams too: what the samples read
     in this process before (their own seeds) is given back to the step's code. No GPU work: a
     generator's seed is set on the host."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    step_seed = derive(seed, "model", rank, epoch, step)
+    step_seed = derive(seed, "model", rank(), epoch, step)
     seed_data_streams(step_seed)
     if torch.cuda.is_initialized():
         for device, generator in enumerate(torch.cuda.default_generators):

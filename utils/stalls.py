@@ -48,6 +48,7 @@ from .internals import (
     default_store,
     nccl_trace,
 )
+from .ranks import world_size
 from .workers import wait_until, worker_stacks
 
 # Collectives wait this much longer than --timeout, so that the watchdog speaks first.
@@ -70,7 +71,7 @@ class Watchdog(contextlib.AbstractContextManager):
         self.say = say
         self.stacks_dir = Path(output_dir) / "stalls"
         self.rank = rank
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.world_size = world_size()
         self.main_thread = threading.main_thread().ident
         # Where this rank is: the last training batch's (epoch, step), None before training.
         self.epoch_step: tuple[int, int] | None = None

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UsageError
-from .ranks import all_gather_objects, errors_shared_by_all_ranks
+from .ranks import all_gather_objects, errors_shared_by_all_ranks, world_size
 
 
 class StopSignal:
@@ -36,7 +36,7 @@ class StopSignal:
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.note)
         # A world of one agrees with itself: no collective.
-        self.alone = not dist.is_initialized() or dist.get_world_size() == 1
+        self.alone = world_size() == 1
         # With GPUs the flags go over the CPU: no GPU synchronisation every step.
         self.group = None
         if not self.alone and dist.get_backend() != "gloo":
