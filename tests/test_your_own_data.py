@@ -918,6 +918,10 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     # second forward drawing what the first drew (seeds.model_streams, draw_again: 9), batch-norm
     # statistics kept over the first (batch_norm.statistics_kept, which checks uses too: 3)
     budget += [38 + 9 + 3]
+    # issue 92, item 6: a loss over each rank's own part said at the start, from a second
+    # derivative of the loss at the start-up check's outputs (checks.loss_couples_samples: 17);
+    # ranks.rank() in place of four fallbacks (-2)
+    budget += [17 - 2]
     assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= sum(budget)
     imports = {}
     for name, path in modules.items():

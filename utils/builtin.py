@@ -24,8 +24,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .batches import to_device
 from .errors import UsageError, first_line
-from . import ranks
-from .ranks import errors_shared_by_all_ranks
+from .ranks import errors_shared_by_all_ranks, rank, world_size
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -117,13 +116,13 @@ class ImageBatchTransform:
 
     def __call__(self, images: torch.Tensor, key: tuple[int, int] | None = None) -> torch.Tensor:
         if self.padding and key is not None:
-            rank, world = ranks.rank(), ranks.world_size()
+            world = world_size()
             # a stream per (seed, epoch, step); each image's three draws (two shifts, a flip) in
             # turn, so that an image's draws depend on its place alone, also where the ranks' shares
             # differ by one
             seed = np.random.SeedSequence([self.seed, *key]).generate_state(1)[0]
             generator = torch.Generator().manual_seed(int(seed))
-            draws = torch.rand(world * len(images), 3, generator=generator)[rank::world]
+            draws = torch.rand(world * len(images), 3, generator=generator)[rank() :: world]
             draws = to_device(draws[: len(images)], images.device)
             shifts = (draws[:, :2] * (2 * self.padding + 1)).long()
             flips = draws[:, 2] < 0.5

@@ -355,28 +355,17 @@ def loss_couples_samples(outputs, loss) -> bool:
         for t in tree_flatten(outputs)[0]
         if isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 0 and len(t) > 1
     ]
-    if not rows:
-        return False
     try:
         grads = torch.autograd.grad(total, rows, create_graph=True, allow_unused=True)
-        pairs = [(t, g) for t, g in zip(rows, grads) if g is not None and g.requires_grad]
-        if not pairs:
-            return False
-        generator = torch.Generator(rows[0].device).manual_seed(0)
-        first = sum(
-            (g[0] * torch.randn(g[0].shape, generator=generator, device=g.device)).sum()
-            for _, g in pairs
-        )
-        tensors = [t for t, _ in pairs]
-        again = torch.autograd.grad(first, tensors, allow_unused=True, retain_graph=True)
-    except RuntimeError:
+        # sample 0's gradient in a random direction, differentiated again
+        first = sum((g[0] * torch.rand_like(g[0])).sum() for g in grads if g is not None)
+        # (the loss's graph kept for the backward that follows)
+        again = torch.autograd.grad(first, rows, allow_unused=True, retain_graph=True)
+        again = [h for h in again if h is not None]
+    except (RuntimeError, TypeError):
         return False
-    again = [h for h in again if h is not None]
-    if not again:
-        return False
-    own = max(float(h[0].abs().max()) for h in again)
-    others = max(float(h[1:].abs().max()) for h in again)
-    return others > 1e-4 * own
+    own = max((float(h[0].abs().max()) for h in again), default=0.0)
+    return max((float(h[1:].abs().max()) for h in again), default=0.0) > 1e-4 * own
 
 
 def check_class_targets(outputs, targets) -> None:
