@@ -24,7 +24,7 @@ import torch.nn as nn
 from .errors import UsageError, first_line
 from .internals import dtensor_of, tree_flatten, tree_unflatten
 from .ranks import errors_shared_by_all_ranks, host_memory_available, local_ranks, local_shard
-from .ranks import world_size
+from .ranks import cpu_group, world_size
 
 log = logging.getLogger("train")
 
@@ -207,9 +207,6 @@ def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
     box = [[to_meta(leaf) for leaf in leaves], spec]
     dist.broadcast_object_list(box, src=0)
     # The tensors stay on the CPU.
-    group = None
-    if dist.get_backend() != "gloo":
-        group = dist.new_group(backend="gloo")
     for i, leaf in enumerate(box[0]):
         if not torch.is_tensor(leaf):
             continue
@@ -217,7 +214,7 @@ def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
             box[0][i] = leaves[i].contiguous()
         else:
             box[0][i] = torch.empty(leaf.shape, dtype=leaf.dtype)
-        dist.broadcast(box[0][i], src=0, group=group)
+        dist.broadcast(box[0][i], src=0, group=cpu_group())
     return tree_unflatten(*box)
 
 

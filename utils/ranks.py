@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import inspect
 import logging
 import os
@@ -238,6 +239,13 @@ def world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+@functools.cache
+def cpu_group() -> dist.ProcessGroup | None:
+    """The group that CPU tensors cross in: all ranks over gloo, made at the first call (every
+    rank's, at the same place) where the run's own group is NCCL's; None (the run's own) on gloo."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 def rank() -> int:

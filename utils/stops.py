@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UsageError
-from .ranks import all_gather_objects, errors_shared_by_all_ranks, world_size
+from .ranks import all_gather_objects, cpu_group, errors_shared_by_all_ranks, world_size
 
 
 class StopSignal:
@@ -38,9 +38,7 @@ class StopSignal:
         # A world of one agrees with itself: no collective.
         self.alone = world_size() == 1
         # With GPUs the flags go over the CPU: no GPU synchronisation every step.
-        self.group = None
-        if not self.alone and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+        self.group = None if self.alone else cpu_group()
 
     def watch(self, saves) -> None:
         """A checkpoint write that failed in the background (checkpoints.Saves: rank 0's files,
