@@ -139,8 +139,8 @@ def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
         for inputs, _, _ in micro_batches:
             draws.append(seeds.model_streams())
             parts.append(batches.forward(model, inputs))
-    outputs = batches.Joined(parts, samples, grad=True)
     targets = batches.Joined([targets for _, targets, _ in micro_batches], samples).whole
+    outputs = batches.Joined(parts, samples, grad=True)
     # the loss over all ranks' whole step (whole_batch's all-gathers), its gradient at the outputs
     loss = compute_loss(outputs.whole, targets)
     items = run.backward(loss, sum(samples))

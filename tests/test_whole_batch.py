@@ -144,15 +144,24 @@ def test_a_loss_over_the_whole_batch_trains_and_validates_on_2_and_3_processes_w
 
 def test_parts_that_cannot_join_end_every_rank_with_one_line_naming_the_call(tmp_path):
     """A compute_loss that gathers parts of another width on each rank: every rank ends with one line naming its call
-    and the ranks' shapes, at the start-up check, not gloo's abort."""
+    and the ranks' shapes, at the start-up check, not gloo's abort. With accumulation, an output that is neither a
+    row per sample nor the same in every micro-batch (a batch's mean) is one line at the first step."""
     wrong = yours("infonce").replace(
         "    a, b = batches.whole_batch(a), batches.whole_batch(b)\n",
         "    a, b = batches.whole_batch(a), batches.whole_batch(b)\n"
         "    batches.whole_batch(torch.zeros(len(a), 1 + int(os.environ.get('RANK', '0'))))\n",
     )
     script = copy_with_your_functions("distributed.py", tmp_path / "copy", wrong)
-    (result,) = run_parallel(
-        [(launch(script, 2, *FLAGS, "--output-dir", tmp_path / "out"), OFFLINE, tmp_path)],
+    mean = yours("infonce").replace(
+        "F.normalize(self.b(b), dim=1), self.logit_scale", "F.normalize(self.b(b), dim=1), a.mean()"
+    )
+    accum = copy_with_your_functions("distributed_grad_accum.py", tmp_path / "accum", mean)
+    flags = [*FLAGS, "--accum-steps", "4", "--output-dir", tmp_path / "accum-out"]
+    result, joined = run_parallel(
+        [
+            (launch(script, 2, *FLAGS, "--output-dir", tmp_path / "out"), OFFLINE, tmp_path),
+            (launch(accum, 2, *flags), OFFLINE, tmp_path),
+        ],
         check=False,
     )
     lines = script.read_text().splitlines()
@@ -161,6 +170,11 @@ def test_parts_that_cannot_join_end_every_rank_with_one_line_naming_the_call(tmp
         result,
         f"error: whole_batch at distributed.py:{number}: the ranks' parts differ beyond their samples (dim 0):"
         " [1] float32, [2] float32",
+    )
+    ends_every_rank_with(
+        joined,
+        "error: a () tensor of the outputs is neither a row per sample nor the same in every micro-batch: a loss"
+        " over the whole step cannot join it",
     )
 
 

@@ -1,6 +1,6 @@
 """Any batch of any task: counted as the samples collate received (Counted), moved to the device
 (batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward;
-a token count summed over the ranks during DDP's backward, CountShares); a loss over the whole
+a token count summed over the ranks during DDP's backward, CountWeights); a loss over the whole
 batch (whole_batch), over a whole step of micro-batches (Joined); an epoch's loader (epoch_loader,
 steps_per_epoch, first_samples).
 """
@@ -113,7 +113,11 @@ class Joined:
     whole step (GradCache; open_clip's --accum-freq): a tensor of a row per sample concatenated,
     any other (a learned temperature) the first micro-batch's, which must be each one's. grad: each
     floating-point tensor a leaf that the loss's backward leaves its gradient at, which
-    backward(i, outputs) sends back through micro-batch i's outputs computed again."""
+    backward(i, outputs) sends back through micro-batch i's outputs computed again. The other
+    tensors are compared in the run's first step only (a GPU value read back), whose outputs are
+    made as every step's are."""
+
+    compared = False  # the first step's outputs (grad) were compared
 
     def __init__(self, parts: list, samples: list[int], grad: bool = False):
         self.samples = samples
@@ -129,7 +133,11 @@ class Joined:
             )
             if per_sample:
                 whole = torch.cat(tensors)
-            elif isinstance(whole, torch.Tensor) and any(not whole.equal(t) for t in tensors):
+            elif (
+                not Joined.compared
+                and isinstance(whole, torch.Tensor)
+                and any(not whole.equal(t) for t in tensors)
+            ):
                 raise UsageError(
                     f"a {tuple(whole.shape)} tensor of the outputs is neither a row per sample nor"
                     " the same in every micro-batch: a loss over the whole step cannot join it"
@@ -139,6 +147,7 @@ class Joined:
             self.leaves.append(whole)
             self.per_sample.append(per_sample)
         self.whole = tree_unflatten(self.leaves, flat[0][1])
+        Joined.compared = Joined.compared or grad
 
     def backward(self, i: int, outputs) -> None:
         """Micro-batch i's backward from its rows of the gradient at .whole (from the other
@@ -159,32 +168,32 @@ class Joined:
             torch.autograd.backward(tensors, grads)
 
 
-def loss_for_backward(loss, samples: int, batch_size: int, shares: CountShares | None = None):
+def loss_for_backward(loss, samples: int, batch_size: int, weights: CountWeights | None = None):
     """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
-    DDP and FSDP average the ranks' gradients), so that ranks whose shares differ by a sample give
-    the gradient of the whole batch's mean; as it is where the shares are equal. Its (sum, count)
+    DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
+    the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
     as sum x world size / all ranks' count (one small all-reduce), whatever each rank's count; under
-    DDP with CountShares as its hook: this rank's own mean, which the hook weights by the rank's
-    share of the count while the backward runs."""
+    DDP with CountWeights as its hook: this rank's own mean, which the hook weights by the rank's
+    fraction of the count while the backward runs."""
     if isinstance(loss, torch.Tensor):
-        if shares is not None:
-            shares.clear()
+        if weights is not None:
+            weights.clear()
         weight = samples * world_size() / batch_size
         if weight == 1:
             return loss
         return loss * weight
     total, count = loss
     count = count_to_device(count, total.device)
-    if shares is not None:
-        shares.begin(count)
+    if weights is not None:
+        weights.begin(count)
         return total / count.clamp(min=1).to(total.dtype)
     count = all_reduce(count)
     return total * (world_size() / count.clamp(min=1)).to(total.dtype)
 
 
-class CountShares:
+class CountWeights:
     """DDP's communication hook: for a loss given as (sum, count), each rank's gradient of its own
-    mean weighted by its share of all ranks' count before the all-reduce sums them, which makes the
+    mean weighted by its fraction of all ranks' count before the all-reduce sums them: the
     gradient of the whole batch's mean over its items. The count is summed over the ranks while the
     backward runs (an all-reduce begun by loss_for_backward, waited for at the first bucket), not
     before it. A mean loss: DDP's mean over the ranks. bf16: the gradients cross as bfloat16, as
@@ -196,14 +205,14 @@ class CountShares:
         self.weight = None
 
     @classmethod
-    def registered(cls, model: nn.Module, pair_loss: bool, comm_hook: str | None) -> CountShares:
+    def registered(cls, model: nn.Module, pair_loss: bool, comm_hook: str | None) -> CountWeights:
         """The hook, registered on DDP's model (each of models trained together), for a (sum,
         count) loss or --comm-hook; else None: DDP's own mean, exact for a mean loss."""
         if not (pair_loss or comm_hook):
             return None
-        count_shares = cls(comm_hook == "bf16")
-        model.register_comm_hook(None, count_shares.all_reduce)
-        return count_shares
+        count_weights = cls(comm_hook == "bf16")
+        model.register_comm_hook(None, count_weights.all_reduce)
+        return count_weights
 
     def begin(self, count: torch.Tensor) -> None:
         """This step's count: its sum over the ranks begins (all-reduce, every rank)."""
@@ -216,7 +225,7 @@ class CountShares:
         self.counts = self.weight = None
 
     def bucket_weight(self) -> torch.Tensor | float:
-        """This rank's weight in the sum: its share of the count (the first bucket waits for the
+        """This rank's weight in the sum: its fraction of the count (the first bucket waits for the
         sum), or 1 / world size."""
         if self.counts is None:
             return 1 / world_size()
