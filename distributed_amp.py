@@ -290,7 +290,7 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
-    count_shares: batches.CountShares | None  # DDP's hook for a (sum, count) loss, or None
+    count_weights: batches.CountWeights | None  # DDP's hook for a (sum, count) loss, or None
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss) -> None:
@@ -298,7 +298,7 @@ class Training:
         the step's samples, its (sum, count) by all ranks' count: the gradient of the whole batch's
         mean, also where the ranks' parts differ in size."""
         self.scaler.scale(
-            batches.loss_for_backward(loss, *self.samples, self.count_shares)
+            batches.loss_for_backward(loss, *self.samples, self.count_weights)
         ).backward()
 
 
@@ -473,10 +473,10 @@ def main(teardown: ExitStack) -> None:
         model = ranks.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
-    # a (sum, count) loss (the start-up step's): each rank's mean weighted by its share of all
+    # a (sum, count) loss (the start-up step's): each rank's mean weighted by its fraction of all
     # ranks' count as DDP sums the gradients, the count summed while the backward runs; --comm-hook
     # bf16: the gradients cross the network as bfloat16, half the bytes. Else DDP's own mean (None).
-    count_shares = batches.CountShares.registered(model, pair_loss, args.comm_hook)
+    count_weights = batches.CountWeights.registered(model, pair_loss, args.comm_hook)
     if args.compile:
         # DDP's buckets split the compiled graph (models trained together: each one's)
         model = ranks.each(model, torch.compile, mode=args.compile_mode)
@@ -525,7 +525,7 @@ def main(teardown: ExitStack) -> None:
         recorder=recorder,
         val_metrics=val_metrics,
         saves=saves,
-        count_shares=count_shares,
+        count_weights=count_weights,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"

@@ -867,7 +867,7 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     of a node share said once, first_to_say) and issue 82 (18: Meter.paused, the time of a mid-epoch validation or a
     save left out of the speed and the phases; the convolutions' share of the start-up step's FLOPs, and a float32
     peak that follows the precision each part runs in; ModelFlops, a backward's FLOPs without the forward activation
-    checkpointing recomputes; 35: CountShares, DDP's hook that weights each rank's mean by its share of a token
+    checkpointing recomputes; 35: CountWeights, DDP's hook that weights each rank's mean by its share of a token
     loss's count, summed while the backward runs rather than before it) and issue 84 (7: tied_once, the keys of a tied parameter one
     tensor again after FSDP's gather; 59: Saves, rank 0's checkpoint files copied to host memory and written by a
     thread while training goes on, each file's copies kept for its next save and a tensor seen twice copied once, a
