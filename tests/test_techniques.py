@@ -15,6 +15,7 @@ from utils.profiles import PHASES
 from processes import (
     EVAL_EVERY,
     MEASURED,
+    ROOT,
     TINY,
     assert_same_records,
     max_weight_difference,
@@ -239,22 +240,25 @@ BATCH_NORM_JOB = [*TINY, "--batch-size", "64", "--epochs", "2", "--no-augment"]
 def test_sync_bn_on_cpu_processes_trains_on_2_and_3_what_1_does(tmp_path):
     """--sync-bn on gloo: a batch-norm model on 2 processes and on 3 (parts 22/21/21 of 64) ends with the weights and
     running statistics of 1 process (1e-5), and records its validation loss; without --sync-bn, 2 processes train
-    another model (each rank's statistics over its own part)."""
+    another model (each rank's statistics over its own part). The main job's ResNet-18 (its 20 batch-norm layers,
+    random crops and flips) with --sync-bn on 2 processes trains what 1 does (1e-5) over 2 steps: on random images
+    its float32 rounding grows some 30 times a step after that, in one process too (--sync-bn against none on 1
+    process: 5e-4 after 4 steps; 2 processes against 1: 2e-7 after 2, 1e-5 after 3, 3e-4 after 4)."""
     from test_your_own_data import copy_with_your_functions, launch
 
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_BATCH_NORM)
     outs = {(n, sync): tmp_path / f"{n}p-{sync}" for n, sync in [(1, 1), (2, 1), (3, 1), (2, 0)]}
-    run_parallel(
-        [
-            (
-                launch(copy, n, *BATCH_NORM_JOB, *["--sync-bn"] * sync, "--output-dir", out),
-                {},
-                tmp_path,
-            )
-            for (n, sync), out in outs.items()
-        ],
-        at_once=2,
-    )
+    commands = [
+        (launch(copy, n, *BATCH_NORM_JOB, *["--sync-bn"] * sync, "--output-dir", out), {}, tmp_path)
+        for (n, sync), out in outs.items()
+    ]
+    resnet = [*TINY, "--arch", "resnet18", "--fake-size", "64", "--epochs", "1", "--sync-bn"]
+    main_job = {n: tmp_path / f"resnet18-{n}p" for n in (1, 2)}
+    commands += [
+        (launch(ROOT / "distributed.py", n, *resnet, "--output-dir", out), {}, tmp_path)
+        for n, out in main_job.items()
+    ]
+    run_parallel(commands, at_once=2)
     one = weights(outs[1, 1])
     assert any("running_var" in key for key in one) and metrics(outs[1, 1])[-1]["val_acc"] > 0.5
     for n in (2, 3):
@@ -263,3 +267,7 @@ def test_sync_bn_on_cpu_processes_trains_on_2_and_3_what_1_does(tmp_path):
             metrics(outs[1, 1])[-1]["val_loss"], abs=1e-5
         )
     assert max_weight_difference(outs[2, 0], outs[1, 1]) > 1e-3
+    difference = max_weight_difference(main_job[2], main_job[1])
+    print(f"ResNet-18 with --sync-bn, 2 processes against 1: {difference:.2g}")
+    assert sum("running_var" in key for key in weights(main_job[1])) == 20
+    assert difference <= 1e-5
