@@ -176,7 +176,7 @@ def first_step_flops(
             check_loss(loss)
         # on more processes than one: a loss or batch norm that each rank's part changes, said
         if world_size() > 1:
-            say_what_the_split_changes(model, args, outputs, loss)
+            say_what_the_split_changes(model, args, outputs, loss, samples)
         with ModelFlops(display=False) as backward_flops:
             if isinstance(loss, torch.Tensor):
                 loss.backward()
@@ -317,11 +317,13 @@ def check_loss(loss) -> None:
     )
 
 
-def say_what_the_split_changes(model: nn.Module, args, outputs, loss) -> None:
+def say_what_the_split_changes(model: nn.Module, args, outputs, loss, samples: int) -> None:
     """One line each where a run on several processes trains another objective than one process:
-    a loss that couples the samples of a batch (each rank computes it over its own part), batch
-    norm in training without --sync-bn where the script has it."""
-    if WholeBatch.calls == 0 and loss_couples_samples(outputs, loss):
+    a loss that couples the samples of a batch (each rank computes it over its own part; not said
+    of DiLoCo's local steps, each rank's own by design), batch norm in training without --sync-bn
+    where the script has it."""
+    diloco = hasattr(args, "outer_lr")
+    if not diloco and WholeBatch.calls == 0 and loss_couples_samples(outputs, loss, samples):
         log.info(
             "compute_loss couples the samples of a batch (one sample's gradient depends on"
             " another's outputs): each rank computes it over its own part, another objective on"
@@ -344,16 +346,17 @@ def say_what_the_split_changes(model: nn.Module, args, outputs, loss) -> None:
         )
 
 
-def loss_couples_samples(outputs, loss) -> bool:
+def loss_couples_samples(outputs, loss, samples: int) -> bool:
     """Does the first batch's loss mix its samples: the gradient at sample 0's outputs moves with
     the other samples' outputs (a second derivative of the loss alone, not of the model; zero for
-    a mean or sum over samples, as cross-entropy and a token loss are). A loss without a second
-    derivative is not held against the user."""
+    a mean or sum over samples, as cross-entropy and a token loss are), in the outputs whose dim 0
+    holds the samples (as whole_batch's). A loss without a second derivative is not held against
+    the user."""
     total = loss if isinstance(loss, torch.Tensor) else loss[0]
     rows = [
         t
         for t in tree_flatten(outputs)[0]
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 0 and len(t) > 1
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 0 and len(t) == samples > 1
     ]
     try:
         grads = torch.autograd.grad(total, rows, create_graph=True, allow_unused=True)
@@ -361,7 +364,7 @@ def loss_couples_samples(outputs, loss) -> bool:
         first = sum((g[0] * torch.rand_like(g[0])).sum() for g in grads if g is not None)
         # (the loss's graph kept for the backward that follows)
         again = torch.autograd.grad(first, rows, allow_unused=True, retain_graph=True)
-        again = [h for h in again if h is not None]
+        again = [h for h in again if h is not None and h.numel()]
     except (RuntimeError, TypeError):
         return False
     own = max((float(h[0].abs().max()) for h in again), default=0.0)
