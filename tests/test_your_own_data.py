@@ -922,6 +922,10 @@ def test_one_folder_of_modules_wired_in_plain_sight():
     # derivative of the loss at the start-up check's outputs (checks.loss_couples_samples: 17);
     # ranks.rank() in place of four fallbacks (-2)
     budget += [17 - 2]
+    # a record that finds the disk full while a checkpoint is written in the background names the
+    # checkpoint, the cause (checkpoints.Saves.current: 3); DiLoCo's local steps left out of the
+    # line on a loss over each rank's own part (1)
+    budget += [3 + 1]
     assert sum(statements(path) for path in (ROOT / "utils").glob("*.py")) <= sum(budget)
     imports = {}
     for name, path in modules.items():

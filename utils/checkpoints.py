@@ -46,9 +46,12 @@ class Saves:
     file stays. Leaving the block waits for what is being written (an error ends the run: the
     newest checkpoint is kept whole)."""
 
+    current: Saves | None = None  # the run's: a record that finds the disk full waits for it
+
     def __init__(self, stop=None):
         """stop: the run's StopSignal, told of each write that failed (every rank ends with its line
         at the next step)."""
+        Saves.current = self
         if stop is not None:
             stop.watch(self)
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -333,4 +336,7 @@ def append_metrics(path: Path, record: dict) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as e:
             f.truncate(size)
+            # a checkpoint written meanwhile that filled the disk is the cause: its file named
+            if e.errno == errno.ENOSPC and Saves.current is not None:
+                Saves.current.wait()
             raise OSError(e.errno, e.strerror, str(path)) from None
