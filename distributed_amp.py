@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
 from utils.ranks import log
@@ -290,16 +291,13 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
-    count_weights: batches.CountWeights | None  # DDP's hook for a (sum, count) loss, or None
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss) -> None:
         """loss.backward() of the scaled loss: compute_loss's mean weighted by this rank's part of
         the step's samples, its (sum, count) by all ranks' count: the gradient of the whole batch's
         mean, also where the ranks' parts differ in size."""
-        self.scaler.scale(
-            batches.loss_for_backward(loss, *self.samples, self.count_weights)
-        ).backward()
+        self.scaler.scale(batches.loss_for_backward(loss, *self.samples)).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -451,7 +449,7 @@ def main(teardown: ExitStack) -> None:
     # --channels-last: NHWC, what Tensor Core convolutions read
     model = model.to(device, memory_format=flags.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions, pair_loss = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
@@ -473,10 +471,9 @@ def main(teardown: ExitStack) -> None:
         model = ranks.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
-    # a (sum, count) loss (the start-up step's): each rank's mean weighted by its fraction of all
-    # ranks' count as DDP sums the gradients, the count summed while the backward runs; --comm-hook
-    # bf16: the gradients cross the network as bfloat16, half the bytes. Else DDP's own mean (None).
-    count_weights = batches.CountWeights.registered(model, pair_loss, args.comm_hook)
+    # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
+    if args.comm_hook:
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         # DDP's buckets split the compiled graph (models trained together: each one's)
         model = ranks.each(model, torch.compile, mode=args.compile_mode)
@@ -525,7 +522,6 @@ def main(teardown: ExitStack) -> None:
         recorder=recorder,
         val_metrics=val_metrics,
         saves=saves,
-        count_weights=count_weights,
     )
 
     checkpoint_path = output_dir / "checkpoint.pt"

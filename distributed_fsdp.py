@@ -790,7 +790,7 @@ def main(teardown: ExitStack) -> None:
         dist.broadcast(buffer, 0)
     del whole
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions, _ = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=True
     )
     if args.compile:

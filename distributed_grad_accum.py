@@ -511,7 +511,7 @@ def main(teardown: ExitStack) -> None:
     # --channels-last: NHWC, what Tensor Core convolutions read
     model = model.to(device, memory_format=flags.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions, _ = checks.first_step_flops(
+    flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
     )
     # its loss over the whole batch (batches.whole_batch) is over all of a step's micro-batches

@@ -1,8 +1,7 @@
 """Any batch of any task: counted as the samples collate received (Counted), moved to the device
 (batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward;
-a token count summed over the ranks during DDP's backward, CountWeights); a loss over the whole
-batch (whole_batch), over a whole step of micro-batches (Joined); an epoch's loader (epoch_loader,
-steps_per_epoch, first_samples).
+a token count summed over the ranks); a loss over the whole batch (whole_batch), over a whole step
+of micro-batches (Joined); an epoch's loader (epoch_loader, steps_per_epoch, first_samples).
 """
 
 from __future__ import annotations
@@ -168,88 +167,20 @@ class Joined:
             torch.autograd.backward(tensors, grads)
 
 
-def loss_for_backward(loss, samples: int, batch_size: int, weights: CountWeights | None = None):
+def loss_for_backward(loss, samples: int, batch_size: int):
     """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
     DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
     the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
-    as sum x world size / all ranks' count (one small all-reduce), whatever each rank's count; under
-    DDP with CountWeights as its hook: this rank's own mean, which the hook weights by the rank's
-    fraction of the count while the backward runs."""
+    as sum x world size / all ranks' count (one small all-reduce, every rank), whatever each rank's
+    count."""
     if isinstance(loss, torch.Tensor):
-        if weights is not None:
-            weights.clear()
         weight = samples * world_size() / batch_size
         if weight == 1:
             return loss
         return loss * weight
     total, count = loss
-    count = count_to_device(count, total.device)
-    if weights is not None:
-        weights.begin(count)
-        return total / count.clamp(min=1).to(total.dtype)
-    count = all_reduce(count)
+    count = all_reduce(count_to_device(count, total.device))
     return total * (world_size() / count.clamp(min=1)).to(total.dtype)
-
-
-class CountWeights:
-    """DDP's communication hook: for a loss given as (sum, count), each rank's gradient of its own
-    mean weighted by its fraction of all ranks' count before the all-reduce sums them: the
-    gradient of the whole batch's mean over its items. The count is summed over the ranks while the
-    backward runs (an all-reduce begun by loss_for_backward, waited for at the first bucket), not
-    before it. A mean loss: DDP's mean over the ranks. bf16: the gradients cross as bfloat16, as
-    PyTorch's bf16_compress_hook sends them (--comm-hook bf16)."""
-
-    def __init__(self, bf16: bool = False):
-        self.bf16 = bf16
-        self.counts = None  # this rank's count, all ranks' (being summed) and the all-reduce's work
-        self.weight = None
-
-    @classmethod
-    def registered(cls, model: nn.Module, pair_loss: bool, comm_hook: str | None) -> CountWeights:
-        """The hook, registered on DDP's model (each of models trained together), for a (sum,
-        count) loss or --comm-hook; else None: DDP's own mean, exact for a mean loss."""
-        if not (pair_loss or comm_hook):
-            return None
-        count_weights = cls(comm_hook == "bf16")
-        model.register_comm_hook(None, count_weights.all_reduce)
-        return count_weights
-
-    def begin(self, count: torch.Tensor) -> None:
-        """This step's count: its sum over the ranks begins (all-reduce, every rank)."""
-        summed = count.clone()
-        self.counts = (count, summed, dist.all_reduce(summed, async_op=True))
-        self.weight = None
-
-    def clear(self) -> None:
-        """A mean loss this step: the ranks' gradients averaged."""
-        self.counts = self.weight = None
-
-    def bucket_weight(self) -> torch.Tensor | float:
-        """This rank's weight in the sum: its fraction of the count (the first bucket waits for the
-        sum), or 1 / world size."""
-        if self.counts is None:
-            return 1 / world_size()
-        if self.weight is None:
-            count, summed, work = self.counts
-            work.wait()
-            self.weight = count / summed.clamp(min=1)
-        return self.weight
-
-    # unannotated: DDP checks a hook's annotations, and this module's are strings
-    def all_reduce(self, group, bucket):
-        """The hook: this rank's bucket of gradients, weighted, summed over the ranks."""
-        buffer = bucket.buffer()
-        weighted = buffer.to(torch.bfloat16) if self.bf16 else buffer
-        weighted.mul_(self.bucket_weight())
-        future = dist.all_reduce(weighted, group=group, async_op=True).get_future()
-        if not self.bf16:
-            return future.then(lambda done: done.value()[0])
-
-        def decompress(done):
-            buffer.copy_(done.value()[0])
-            return buffer
-
-        return future.then(decompress)
 
 
 class GlobalBatchShares(DistributedSampler):

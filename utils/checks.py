@@ -141,13 +141,12 @@ def first_step_flops(
     args,
     device: torch.device,
     unused_ok: bool,
-) -> tuple[float, float, bool]:
+) -> tuple[float, float]:
     """The FLOPs of a sample's forward and backward, counted around the model and loss only
     (FlopCounterMode would see our own collectives too), in a step of two samples that is undone
     (in float32 whatever the training's precision: two samples are small), the convolutions'
-    share of them (peaks: cuDNN's TF32 flag rules their float32 precision), and whether the loss
-    is a (sum, count) pair; on the way, what would fail or learn nothing ends every rank with one
-    line. Every rank calls it."""
+    share of them (peaks: cuDNN's TF32 flag rules their float32 precision); on the way, what
+    would fail or learn nothing ends every rank with one line. Every rank calls it."""
     devices = []
     if torch.cuda.is_available():
         devices = [torch.cuda.current_device()]
@@ -200,8 +199,7 @@ def first_step_flops(
         for op, count in counter.get_flop_counts()["Global"].items()
         if "convolution" in str(op)
     )
-    pair = not isinstance(loss, torch.Tensor)
-    return flops / samples, convolutions / max(flops, 1), pair
+    return flops / samples, convolutions / max(flops, 1)
 
 
 def check_draws_reach(dataset) -> None:
