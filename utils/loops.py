@@ -129,9 +129,10 @@ class EpochSteps:
             with self.meter.paused():
                 self.validate(run, epoch, step)
             run.model.train()
-        # this point of the epoch: the same command continues from here
-        every = args.save_every and step % args.save_every == 0
-        if signum or run.stop.save_timer_fired() or every:
+        # this point of the epoch: the same command continues from here (after a signal, when
+        # --save-minutes' timer fired on some rank, every --save-every steps)
+        timer = run.stop.save_timer_fired()  # and it starts again
+        if signum or timer or (args.save_every and step % args.save_every == 0):
             with self.meter.paused():  # its time left out of the speed too
                 self.save(run, epoch, step)
         if signum:

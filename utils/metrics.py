@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .batches import class_indices, count_to_device, logits
@@ -31,6 +30,7 @@ from .ranks import (
     all_reduce,
     errors_shared_by_all_ranks,
     local_shard,
+    rank,
     world_size,
 )
 from .sinks import TensorBoardSink, WandbSink
@@ -247,15 +247,12 @@ class Meter:
     def local_sums(self, row: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's sums and its row of a table of all ranks' (whether it could not read a
         batch, then row): one tensor, which an all-reduce makes all ranks'."""
-        rank = 0
-        if dist.is_initialized():
-            rank = dist.get_rank()
         if row is None:
             row = torch.zeros(0, dtype=torch.float64)
         table = torch.zeros(world_size(), 1 + len(row), dtype=torch.float64)
         # Each rank its own row: the sum holds every rank's exactly.
-        table[rank, 0] = float(bool(self.error))
-        table[rank, 1:] = row
+        table[rank(), 0] = float(bool(self.error))
+        table[rank(), 1:] = row
         return torch.cat([self.all_sums(), table.flatten().to(self.sums.device)])
 
     def reduced(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
