@@ -14,15 +14,28 @@ import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 
-# first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, loops, metrics, optimizers, peaks
-from utils import profiles, ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils.errors import UsageError
-from utils.ranks import log
+
+import utils
+from extras import (
+    batches,
+    checkpoints,
+    checks,
+    loops,
+    metrics,
+    optimizers,
+    peaks,
+    profiles,
+    samplers,
+    scores,
+    seeds,
+    stalls,
+    workers,
+)
+from utils import UsageError, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
 # project samples, measures or uses a frozen model in its own way), and the step if you like ----
@@ -31,8 +44,8 @@ from utils.ranks import log
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (utils/builtin.py)
-    from utils import builtin
+    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    from extras import builtin
 
     return builtin.datasets(args)
 
@@ -40,7 +53,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    from utils import builtin  # --arch: tiny or a torchvision classifier
+    from extras import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -107,11 +120,11 @@ def train_step(run: Training, inputs, targets) -> dict:
 
 
 def parse_args():
-    parser = flags.build_parser(__doc__.splitlines()[0], one_process=True)
+    parser = utils.build_parser(__doc__.splitlines()[0], one_process=True)
     parser.add_argument(
         "--gpu", default=None, help="comma-separated GPU ids to use, e.g. 0,1,2,3 (default: all)"
     )
-    return flags.check_args(parser.parse_args())
+    return utils.check_args(parser.parse_args())
 
 
 def select_devices(args) -> list[int]:
@@ -156,9 +169,9 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, 0)
     )
     # one process loads the whole batch; DataParallel splits it over the GPUs
-    # a stream is read here (utils/streams.py), as the DDP scripts read it at world size 1
+    # a stream is read here (extras/streams.py), as the DDP scripts read it at world size 1
     if isinstance(train_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
@@ -185,7 +198,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         )
     # every sample once, in order (a stream's last global batch too, incomplete as it is)
     if isinstance(val_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         val_sampler = streams.StreamSampler(
             val_set, args.batch_size, 0, 1, train=False, seed=args.seed
@@ -209,7 +222,7 @@ class Training:
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
-    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    stop: utils.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
@@ -228,7 +241,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # around each step (extras/loops.py): progress for the watchdog, its seeds, its batch on the
     # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
     for inputs, targets in steps:
@@ -252,7 +265,7 @@ def validate(run: Training, epoch: int, step: int) -> dict:
 def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
-    module = ranks.unwrap(run.model).eval()  # one device is enough to score
+    module = utils.unwrap(run.model).eval()  # one device is enough to score
     meter = metrics.Meter(run.device, top5=True)
     run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
@@ -275,11 +288,11 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     step."""
     args, model = run.args, run.model
     progress = run.recorder.all_ranks_state_dict()  # the epoch's sums
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         # never NaN over the last good checkpoint
         checks.check_finite(model, epoch, step, None, args)
         checkpoint = {
-            "model": ranks.unwrap(model).state_dict(),
+            "model": utils.unwrap(model).state_dict(),
             "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(),
             "ema": run.ema.state_dict(),
@@ -294,15 +307,15 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
         run.saves.save(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
         if args.ema:  # and the average alone, with plain keys
             with run.ema.swapped():
-                state = ranks.unwrap(model).state_dict()
+                state = utils.unwrap(model).state_dict()
                 run.saves.save(state, output_dir / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), plain keys."""
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         with run.ema.swapped_for(run.args.keep_best):
-            state = ranks.unwrap(run.model).state_dict()
+            state = utils.unwrap(run.model).state_dict()
             path = Path(run.args.output_dir) / "model_best.pt"
             run.saves.save(state, path, run.watchdog)
 
@@ -310,12 +323,12 @@ def save_best(run: Training) -> None:
 def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, world_size = 0, 1  # one process
-    ranks.setup_logging(rank)
+    utils.setup_logging(rank)
     # from here SIGTERM and SIGUSR1 finish the step, save and exit; every --save-minutes, a save
-    stop = stops.StopSignal(args.save_minutes)
+    stop = utils.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
@@ -327,7 +340,7 @@ def main(teardown: ExitStack) -> None:
     gpus = select_devices(args)
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # DataParallel splits each batch over the GPUs (torch.chunk: the last part may be smaller)
-    ranks.split_batch(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
+    utils.split_batch(args.batch_size, max(len(gpus), 1), f"{len(gpus)} GPUs")
     log.info(
         f"DataParallel on {'GPUs ' + str(gpus) if gpus else 'the CPU'}, "
         f"batch {args.batch_size}, {args.optimizer} "
@@ -346,7 +359,7 @@ def main(teardown: ExitStack) -> None:
     # and every saved file
     frozen = checks.frozen_models(build_frozen(args, num_classes), device)
     # --channels-last: NHWC, what Tensor Core convolutions read
-    model = model.to(device, memory_format=flags.memory_format(args))
+    model = model.to(device, memory_format=utils.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
     flops_per_sample, convolutions = checks.first_step_flops(
         model,
@@ -407,7 +420,7 @@ def main(teardown: ExitStack) -> None:
         checkpoints.load_checkpoint_everywhere(checkpoint_path, rank),
         checkpoint_path,
         args,
-        model=ranks.unwrap(model),
+        model=utils.unwrap(model),
         optimizer=optimizer,
         scheduler=scheduler,
         records=recorder,
@@ -432,16 +445,16 @@ def main(teardown: ExitStack) -> None:
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never
-        with ranks.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():
             if rank == 0:
                 checks.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         saves.wait()  # the last checkpoint written whole
-        checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
+        checkpoints.save_pretrained(utils.unwrap(model), output_dir / "hf", watchdog)
 
 
 if __name__ == "__main__":
-    errors.run_main(main)
+    utils.run_main(main)

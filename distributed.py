@@ -18,10 +18,6 @@ from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
-# first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batch_norm, batches, checkpoints, checks, errors, flags, loops, metrics
-from utils import optimizers, peaks, profiles, ranks, samplers, scores, seeds, stalls, stops
-from utils import workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,7 +25,26 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils.ranks import log
+
+import utils
+from extras import (
+    batch_norm,
+    batches,
+    checkpoints,
+    checks,
+    loops,
+    metrics,
+    optimizers,
+    peaks,
+    profiles,
+    samplers,
+    scores,
+    seeds,
+    stalls,
+    together,
+    workers,
+)
+from utils import log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
 # project samples, measures or uses a frozen model in its own way), and the step if you like ----
@@ -38,8 +53,8 @@ from utils.ranks import log
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (utils/builtin.py)
-    from utils import builtin
+    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    from extras import builtin
 
     return builtin.datasets(args)
 
@@ -47,7 +62,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    from utils import builtin  # --arch: tiny or a torchvision classifier
+    from extras import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -114,8 +129,8 @@ def train_step(run: Training, inputs, targets) -> dict:
 
 
 def parse_args():
-    parser = flags.build_parser(__doc__.splitlines()[0])
-    flags.add_ddp_flags(parser)  # --sync-bn, --find-unused-parameters, --comm-hook
+    parser = utils.build_parser(__doc__.splitlines()[0])
+    utils.add_ddp_flags(parser)  # --sync-bn, --find-unused-parameters, --comm-hook
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(
         "--local-rank",
@@ -124,25 +139,28 @@ def parse_args():
         default=0,
         help="set by torch.distributed.launch; read from LOCAL_RANK otherwise",
     )
-    return flags.check_args(parser.parse_args())
+    return utils.check_args(parser.parse_args())
 
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
     # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
-    rank, local_rank, world_size = ranks.from_environment(args)
+    rank, local_rank, world_size = utils.from_environment(args)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        ranks.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        utils.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl":
+        # NCCL's Flight Recorder: each rank's last collectives, for a stalled rank's stalls/ folder
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     # --dist-url, --ip and --port, env:// under torchrun; else a store of this process's own
-    init_method = ranks.init_method(args)
+    init_method = utils.init_method(args)
     timeout = timedelta(seconds=args.timeout)
-    with ranks.init_errors_as_one_line(init_method):
-        store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
+    with utils.init_errors_as_one_line(init_method):
+        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -185,10 +203,10 @@ def build_loaders(
     seeded = dict(
         common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
     )
-    # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
+    # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         train_sampler = streams.StreamSampler(
             train_set, args.batch_size, rank, world_size, seed=args.seed
@@ -229,7 +247,7 @@ def build_loaders(
     # part of each global batch, or its own shards): every image exactly once (DistributedSampler
     # would pad the last shard with repeated images)
     if isinstance(val_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         val_sampler = streams.StreamSampler(
             val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
@@ -259,7 +277,7 @@ class Training:
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
-    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    stop: utils.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
@@ -278,7 +296,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # around each step (extras/loops.py): progress for the watchdog, its seeds, its batch on the
     # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
     for inputs, targets in steps:
@@ -304,7 +322,7 @@ def evaluate(run: Training) -> dict:
     """Loss (and accuracy) over the whole validation set, each sample counted once. Every rank
     calls it."""
     # not DDP's forward (a stream's shards may differ in length by a batch), in evaluation mode
-    module = ranks.unwrap(run.model).eval()
+    module = utils.unwrap(run.model).eval()
     # rank 0's batch-norm statistics, the checkpoint's, on every rank
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
@@ -333,12 +351,12 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     weights). Weights that are no longer finite end every rank; a full disk at the next step."""
     # all-reduce, every rank: the epoch's sums over all ranks, which the next record and epoch need
     progress = run.recorder.all_ranks_state_dict()
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
             checks.check_finite(run.model, epoch, step, None, run.args)
             checkpoint = {
-                "model": ranks.unwrap(run.model).state_dict(),
+                "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
                 "ema": run.ema.state_dict(),
@@ -353,29 +371,29 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
             run.saves.save(checkpoint, Path(run.args.output_dir) / "checkpoint.pt", run.watchdog)
             if run.args.ema:  # and the average alone, with plain keys
                 with run.ema.swapped():
-                    state = ranks.unwrap(run.model).state_dict()
+                    state = utils.unwrap(run.model).state_dict()
                     run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), plain keys.
     Every rank calls it; rank 0 writes, while training goes on."""
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             with run.ema.swapped_for(run.args.keep_best):
-                state = ranks.unwrap(run.model).state_dict()
+                state = utils.unwrap(run.model).state_dict()
                 run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
-    ranks.setup_logging(rank)
+    utils.setup_logging(rank)
     # from here SIGTERM and SIGUSR1 finish the step, save and exit; every --save-minutes, a save
-    stop = stops.StopSignal(args.save_minutes)
+    stop = utils.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     # before data and model: a bad path fails at once, on every rank
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
@@ -385,8 +403,8 @@ def main(teardown: ExitStack) -> None:
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
     # each rank's part of every global batch: equal, or within one sample of the others'
-    split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
-    batch_per_rank = ranks.share(args.batch_size, rank, world_size)
+    split = utils.split_batch(args.batch_size, world_size, f"{world_size} processes")
+    batch_per_rank = utils.share(args.batch_size, rank, world_size)
     log.info(
         f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
         f" {args.batch_size} = {split}, {args.optimizer} peak lr"
@@ -407,7 +425,7 @@ def main(teardown: ExitStack) -> None:
     # and every saved file
     frozen = checks.frozen_models(build_frozen(args, num_classes), device)
     # --channels-last: NHWC, what Tensor Core convolutions read
-    model = model.to(device, memory_format=flags.memory_format(args))
+    model = model.to(device, memory_format=utils.memory_format(args))
     # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
     flops_per_sample, convolutions = checks.first_step_flops(
         model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
@@ -425,10 +443,10 @@ def main(teardown: ExitStack) -> None:
         gradient_as_bucket_view=True,
         find_unused_parameters=args.find_unused_parameters,
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
-        **ranks.no_buffer_sync_per_forward(),
+        **utils.no_buffer_sync_per_forward(),
     )
-    if isinstance(model, ranks.TrainedTogether):  # a GAN's models: each its own DDP
-        model = ranks.Wrapped(model, DDP, **options)
+    if isinstance(model, together.TrainedTogether):  # a GAN's models: each its own DDP
+        model = together.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
@@ -436,7 +454,7 @@ def main(teardown: ExitStack) -> None:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         # DDP's buckets split the compiled graph (models trained together: each one's)
-        model = ranks.each(model, torch.compile, mode=args.compile_mode)
+        model = together.each(model, torch.compile, mode=args.compile_mode)
     # --optimizer: SGD or AdamW (models trained together: one each, run.optimizer["generator"])
     optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
@@ -484,7 +502,7 @@ def main(teardown: ExitStack) -> None:
         checkpoints.load_checkpoint_everywhere(checkpoint_path, rank),
         checkpoint_path,
         args,
-        model=ranks.unwrap(model),
+        model=utils.unwrap(model),
         optimizer=optimizer,
         scheduler=scheduler,
         records=recorder,
@@ -509,19 +527,19 @@ def main(teardown: ExitStack) -> None:
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never
-        with ranks.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():
             if rank == 0:
                 checks.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             saves.wait()  # the last checkpoint written whole
-            checkpoints.save_pretrained(ranks.unwrap(model), output_dir / "hf", watchdog)
+            checkpoints.save_pretrained(utils.unwrap(model), output_dir / "hf", watchdog)
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    errors.run_main(main)
+    utils.run_main(main)

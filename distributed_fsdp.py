@@ -26,9 +26,6 @@ from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
-# first: the folder quiets PyTorch's C++ logging before torch loads
-from utils import batches, checkpoints, checks, errors, flags, internals, loops, metrics, optimizers
-from utils import peaks, profiles, ranks, samplers, scores, seeds, stalls, stops, workers
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -50,8 +47,25 @@ from torch.distributed.fsdp import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, default_collate
-from utils.errors import UsageError
-from utils.ranks import log
+
+import utils
+from extras import (
+    batches,
+    checkpoints,
+    checks,
+    internals,
+    loops,
+    metrics,
+    optimizers,
+    peaks,
+    profiles,
+    samplers,
+    scores,
+    seeds,
+    stalls,
+    workers,
+)
+from utils import UsageError, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
 # project samples, measures or uses a frozen model in its own way), and the step if you like ----
@@ -60,8 +74,8 @@ from utils.ranks import log
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (utils/builtin.py)
-    from utils import builtin
+    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    from extras import builtin
 
     return builtin.datasets(args)
 
@@ -69,7 +83,7 @@ def build_datasets(args):
 def build_model(args, num_classes: int) -> nn.Module:
     """Any nn.Module. It gets a batch's inputs (a dict as keyword arguments, as Hugging Face models
     take them); what it returns (a tensor, a dict, a ModelOutput) goes to compute_loss as it is."""
-    from utils import builtin  # --arch: tiny or a torchvision classifier
+    from extras import builtin  # --arch: tiny or a torchvision classifier
 
     return builtin.model(args.arch, num_classes, args.image_size)
 
@@ -149,7 +163,7 @@ def train_step(run: Training, inputs, targets) -> dict:
 
 
 def parse_args():
-    parser = flags.build_parser(__doc__.splitlines()[0])
+    parser = utils.build_parser(__doc__.splitlines()[0])
     # the deprecated torch.distributed.launch passes one of these; LOCAL_RANK wins
     parser.add_argument(
         "--local-rank",
@@ -191,7 +205,7 @@ def parse_args():
         metavar="N",
         help="hybrid sharding: N replicas, each sharded over world size / N ranks (a node's GPUs)",
     )
-    args = flags.check_args(parser.parse_args())
+    args = utils.check_args(parser.parse_args())
     if not args.init_scale > 0:
         parser.error("--init-scale must be > 0")
     # FSDP2 shards contiguous parameters only, and channels_last weights are not
@@ -203,22 +217,25 @@ def parse_args():
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
     # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
-    rank, local_rank, world_size = ranks.from_environment(args)
+    rank, local_rank, world_size = utils.from_environment(args)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        ranks.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        utils.set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl":
+        # NCCL's Flight Recorder: each rank's last collectives, for a stalled rank's stalls/ folder
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     # offloaded gradients: their norm is all-reduced on the CPU
     if args.cpu_offload and backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     # --dist-url, --ip and --port, env:// under torchrun; else a store of this process's own
-    init_method = ranks.init_method(args)
+    init_method = utils.init_method(args)
     timeout = timedelta(seconds=args.timeout)
-    with ranks.init_errors_as_one_line(init_method):
-        store = ranks.rendezvous_store(init_method, rank, world_size, timeout)
+    with utils.init_errors_as_one_line(init_method):
+        store = utils.rendezvous_store(init_method, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -270,10 +287,10 @@ def build_loaders(
     seeded = dict(
         common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
     )
-    # a stream is read here (utils/streams.py): each rank its part of every global batch, lists of
+    # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         train_sampler = streams.StreamSampler(
             train_set, args.batch_size, rank, world_size, seed=args.seed
@@ -314,7 +331,7 @@ def build_loaders(
     # part of each global batch, or its own shards): every image exactly once (DistributedSampler
     # would pad the last shard with repeated images)
     if isinstance(val_set, IterableDataset):
-        from utils import streams
+        from extras import streams
 
         val_sampler = streams.StreamSampler(
             val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
@@ -368,12 +385,12 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
                 model = build_model(args, num_classes)
         except Exception as e:  # a user's code: any type; built as on rank 0, still trained
             log.warning(
-                f"build_model cannot build on the meta device ({errors.first_line(e)}): rank {rank}"
+                f"build_model cannot build on the meta device ({utils.first_line(e)}): rank {rank}"
                 " builds the whole model in memory"
             )
     if model is None:
         model = build_model(args, num_classes)
-    torch.set_rng_state(ranks.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
+    torch.set_rng_state(utils.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
     return model
 
 
@@ -399,8 +416,8 @@ def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -
     # what the host has available (on rank 0's node also the model rank 0 built, freed once
     # sharded), shared
     else:
-        available = ranks.host_memory_available() / 1e9
-        free = (available + whole * (dist.get_rank() < ranks.local_ranks())) / ranks.local_ranks()
+        available = checkpoints.host_memory_available() / 1e9
+        free = (available + whole * (dist.get_rank() < utils.local_ranks())) / utils.local_ranks()
     line = (
         f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
         f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
@@ -466,7 +483,7 @@ class Training:
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
-    stop: stops.StopSignal  # the step every rank stops, or saves, after
+    stop: utils.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     saves: checkpoints.Saves  # every rank's shards, written while training goes on
     save_group: dist.ProcessGroup  # the sharded save's collectives, run by the writing thread
@@ -486,7 +503,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # around each step (utils/loops.py): progress for the watchdog, its seeds, its batch on the
+    # around each step (extras/loops.py): progress for the watchdog, its seeds, its batch on the
     # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
     for inputs, targets in steps:
@@ -525,7 +542,7 @@ def evaluate(run: Training) -> dict:
     while True:
         item = next(shard, None)
         # the ranks that have a batch
-        if not ranks.all_reduce(torch.tensor(int(item is not None), device=run.device)):
+        if not utils.all_reduce(torch.tensor(int(item is not None), device=run.device)):
             break
         num_samples, batch = item or spare
         run.watchdog.batch()  # progress: a validation batch
@@ -537,7 +554,7 @@ def evaluate(run: Training) -> dict:
             meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
             run.val_metrics.update(outputs, targets)
     # the root keeps its weights gathered after forward, for a backward: free them
-    ranks.unwrap(run.model).reshard()
+    utils.unwrap(run.model).reshard()
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
     dist.all_reduce(sums)
@@ -612,7 +629,7 @@ def load_sharded(
     except Exception as e:  # many types
         raise UsageError(
             f"{path} is not readable or does not fit this model or these flags"
-            f" ({errors.first_line(e)}): use another --output-dir"
+            f" ({utils.first_line(e)}): use another --output-dir"
         ) from None
     # a tied parameter was saved once: its other names too
     set_model_state_dict(model, checkpoints.tied_once(state["model"], model))
@@ -624,7 +641,7 @@ def training_state(run: Training) -> dict:
     """What continues the run exactly: every rank its own shards of the model and the optimizer,
     the rest once. An optimizer without state (no step taken yet) saves none: asked for it, PyTorch
     would make one with a step of its own. Every rank calls it (an all-reduce of the records)."""
-    module, optimizer = ranks.unwrap(run.model), run.optimizer
+    module, optimizer = utils.unwrap(run.model), run.optimizer
     optimizer_state = (
         {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
     )
@@ -651,13 +668,13 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
     written while training goes on (collectives in the writing thread). Final: the whole weights
     too, gathered on rank 0 (model.pt, hf/, model_ema.pt), as at a stop by a signal. A full disk,
     or weights that are no longer finite, end every rank."""
-    args, module, watchdog = run.args, ranks.unwrap(run.model), run.watchdog
+    args, module, watchdog = run.args, utils.unwrap(run.model), run.watchdog
     final = final or bool(run.stop.agreed()[0])  # SIGTERM or SIGUSR1 on a rank: the run stops
     rank, output_dir = dist.get_rank(), Path(args.output_dir)
     # agreed before the sharded save, a collective, begins: never NaN over the last good checkpoint
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         checks.check_finite(run.model, epoch, step, None, args)  # each rank its own shards
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         state = {**training_state(run), "epoch": epoch, "step": step}
         write = functools.partial(save_sharded, group=run.save_group)
         run.saves.save(state, output_dir / "checkpoint", watchdog, write)
@@ -670,7 +687,7 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
         # (one process's gathered weights are the model's own tensors)
         with run.ema.swapped() if name == "model_ema" else contextlib.nullcontext():
             weights = gather_weights(module)
-            with ranks.errors_shared_by_all_ranks():
+            with utils.errors_shared_by_all_ranks():
                 if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
                     checkpoints.save_checkpoint(weights, output_dir / f"{name}.pt", watchdog)
                     if name == "model":
@@ -695,9 +712,9 @@ def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), gathered whole
     with plain keys. Every rank calls it (the gather); rank 0 writes, while training goes on."""
     with run.ema.swapped_for(run.args.keep_best):
-        weights = gather_weights(ranks.unwrap(run.model))
+        weights = gather_weights(utils.unwrap(run.model))
         # copied before the swap back (one process's gathered weights are the model's own)
-        with ranks.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():
             if dist.get_rank() == 0:
                 path = Path(run.args.output_dir) / "model_best.pt"
                 run.saves.save(weights, path, run.watchdog)
@@ -706,13 +723,13 @@ def save_best(run: Training) -> None:
 def main(teardown: ExitStack) -> None:
     args = parse_args()
     rank, local_rank, world_size, device = setup_distributed(args)
-    ranks.setup_logging(rank)
+    utils.setup_logging(rank)
     # from here SIGTERM and SIGUSR1 finish the step, save and exit; every --save-minutes, a save
-    stop = stops.StopSignal(args.save_minutes)
+    stop = utils.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
     checkpoint_dir = output_dir / "checkpoint"
     # before data and model: a bad path fails at once, on every rank
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
             # a killed write's
@@ -726,8 +743,8 @@ def main(teardown: ExitStack) -> None:
     saves = teardown.enter_context(checkpoints.Saves(stop))
     save_group = dist.new_group(backend="gloo")
     # each rank's part of every global batch: equal, or within one sample of the others'
-    split = ranks.split_batch(args.batch_size, world_size, f"{world_size} processes")
-    batch_per_rank = ranks.share(args.batch_size, rank, world_size)
+    split = utils.split_batch(args.batch_size, world_size, f"{world_size} processes")
+    batch_per_rank = utils.share(args.batch_size, rank, world_size)
     amp_dtype = getattr(torch, args.amp_dtype) if args.amp_dtype else None
     if args.replicate < 1 or world_size % args.replicate:
         raise UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes")
@@ -771,7 +788,7 @@ def main(teardown: ExitStack) -> None:
     frozen = checks.frozen_models(build_frozen(args, num_classes), device)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
-    with ranks.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
+    with utils.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
         check_state_fits(model, world_size // args.replicate, args, place)
     # rank 0's weights, to send each rank its shards of them
     whole = model.state_dict() if rank == 0 else {}
@@ -795,7 +812,7 @@ def main(teardown: ExitStack) -> None:
     )
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
-    module = ranks.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
+    module = utils.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
     optimizer = optimizers.build_optimizer(model, args)  # over this rank's shards only
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
@@ -845,7 +862,7 @@ def main(teardown: ExitStack) -> None:
     start_epoch, steps_done = 0, 0
     if path:
         state = training_state(run)
-        with ranks.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():
             load_sharded(path, state, module, optimizer)
         # the shards are in place; the rest, and the same command continues from the checkpoint
         start_epoch, steps_done = checkpoints.restore(
@@ -870,16 +887,16 @@ def main(teardown: ExitStack) -> None:
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)
-        with ranks.errors_shared_by_all_ranks():
+        with utils.errors_shared_by_all_ranks():
             checks.check_finite(model, epoch + 1, 0, record, args)
             if rank == 0:
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0, final=epoch + 1 == last_epoch)
-    with ranks.errors_shared_by_all_ranks():
+    with utils.errors_shared_by_all_ranks():
         saves.wait()  # the last checkpoint written whole
     dist.barrier()  # nobody leaves before rank 0 has written the last checkpoint
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    errors.run_main(main)
+    utils.run_main(main)

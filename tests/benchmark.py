@@ -38,12 +38,12 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
     str(Path(__file__).resolve().parents[1]),
 ]  # and utils
-from utils import images, peaks  # noqa: E402
+from extras import images, peaks  # noqa: E402
 import lm_workload  # noqa: E402
 import textbook  # noqa: E402
 from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, metrics, python, run, run_parallel, torchrun  # noqa: E402
-from test_your_own_data import copy_with_your_functions  # noqa: E402
+from test_your_own_data import copy_core, copy_with_your_functions  # noqa: E402
 
 
 TEXTBOOK = "textbook loop: PIL transforms per image"
@@ -106,7 +106,7 @@ def build_datasets(args):
 
 
 def build_model(args, num_classes):
-    from utils import builtin
+    from extras import builtin
     return builtin.model("tiny", num_classes, 16)
 
 
@@ -317,7 +317,7 @@ def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
 
 
 def stream_copy(script: str, out: Path, version: str) -> Path:
-    """script and utils/ with STREAM_CODE as the user's functions: this version, or those of STREAM_BEFORE, taken
+    """script, utils.py and extras/ with STREAM_CODE as the user's functions: this version, or those of STREAM_BEFORE, taken
     from git (utils.py and builtin.py beside the script then)."""
     root = ROOT
     code = STREAM_CODE
@@ -334,7 +334,7 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
                     text=True,
                 ).stdout
             )
-        code = code.replace("from utils import builtin", "import builtin")
+        code = code.replace("from extras import builtin", "import builtin")
     copy = copy_with_your_functions(script, out / "copy", code, root)
     if version == "before":
         shutil.copy(root / "builtin.py", copy.parent)
@@ -342,24 +342,22 @@ def stream_copy(script: str, out: Path, version: str) -> Path:
 
 
 def changed_copy(script: str, directory: Path, blocking: bool) -> str:
-    """script and utils/ copied, with a per-step agreement that is a blocking all-reduce at the step's start (what
+    """script, utils.py and extras/ copied, with a per-step agreement that is a blocking all-reduce at the step's start (what
     overlapping it with the step saves), or with a watchdog whose thread never starts (what it costs); all else
     alike."""
     directory.mkdir(parents=True)
     shutil.copy(ROOT / script, directory)
-    shutil.copytree(
-        ROOT / "utils", directory / "utils", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    copy_core(ROOT, directory)
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
     watching = 'threading.Thread(target=self.watch, name="watchdog", daemon=True).start()'
     name, old, new = (
-        ("utils/stops.py", agreement, agreement.replace("True", "False"))
+        ("utils.py", agreement, agreement.replace("True", "False"))
         if blocking
-        else ("utils/stalls.py", watching, "pass  # no watchdog thread")
+        else ("extras/stalls.py", watching, "pass  # no watchdog thread")
     )
     source = (directory / name).read_text()
     assert old in source, (
-        "stops.StopSignal or the watchdog's thread changed: update the benchmark's copy"
+        "utils.StopSignal or the watchdog's thread changed: update the benchmark's copy"
     )
     (directory / name).write_text(source.replace(old, new))
     return str(directory / script)

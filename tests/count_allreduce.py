@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
-from utils import checkpoints, errors, metrics, optimizers, profiles, scores, stalls, stops  # noqa: E402
+import utils  # noqa: E402
+from extras import checkpoints, metrics, optimizers, profiles, scores, stalls  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -46,7 +47,7 @@ def main(teardown):
         train_loader=loader,
         val_loader=val_loader,
         device=device,
-        stop=stops.StopSignal(),
+        stop=utils.StopSignal(),
         watchdog=teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
         recorder=metrics.StepRecords(
             Path(args.output_dir),
@@ -72,4 +73,4 @@ def main(teardown):
 
 
 if __name__ == "__main__":
-    errors.run_main(main)
+    utils.run_main(main)

@@ -487,7 +487,7 @@ def images_on_the_gpu(tmp: Path) -> None:
     """An image folder trains on cuda with DataLoader workers (uint8 pinned, normalised on the
     GPU); and torchvision's GPU JPEG decoding of a batch, with each image's 224-pixel crop, against
     images.ImageFiles on one CPU core (docs/speed.md, "Image folders")."""
-    from utils import images
+    from extras import images
     import torchvision
     from image_files import write_image_folder
     from torchvision.transforms.v2 import functional as TF
@@ -556,7 +556,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from utils import builtin
+from extras import builtin
 
 
 class SyncsPerStep:

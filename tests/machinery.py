@@ -43,7 +43,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from utils import builtin
+from extras import builtin
 
 STAMPS = []  # a step each: [start of its forward, end of it, CPU time in the optimizer's step]
 
@@ -102,7 +102,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from utils import optimizers
+from extras import optimizers
 
 
 def main():

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from utils import builtin  # noqa: E402
-from utils import ranks  # noqa: E402
+from extras import builtin  # noqa: E402
+import utils  # noqa: E402
 from processes import free_port  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def build(args, device: torch.device) -> torch.nn.Module:
         model = model.to(memory_format=torch.channels_last)
     model = model.to(device)
     if not args.no_ddp:
-        buffers = {} if args.broadcast_buffers else ranks.no_buffer_sync_per_forward()
+        buffers = {} if args.broadcast_buffers else utils.no_buffer_sync_per_forward()
         model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, **buffers)
     return (
         torch.compile(model, mode=args.compile_mode) if args.compile or args.compile_mode else model

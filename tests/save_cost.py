@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torchvision  # noqa: E402
 
-from utils import checkpoints, optimizers  # noqa: E402
+from extras import checkpoints, optimizers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

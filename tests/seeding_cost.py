@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
-from utils import seeds
+from extras import seeds
 
 
 class Plain(torch.utils.data.Dataset):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from utils import builtin
-from utils import ranks
+from extras import builtin
+import utils
 
 
 def torchvision_crop_flip(
@@ -44,10 +44,10 @@ def test_each_rank_gets_its_images_augmentation_of_the_global_batch(monkeypatch)
     images = builtin.fake_images(64, 16, "train").tensors[0]
     transform = builtin.ImageBatchTransform(seed=3, padding=2)
     whole = transform(images, key=(0, 5))
-    monkeypatch.setattr(ranks.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(ranks.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(utils.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(utils.dist, "get_world_size", lambda: 4)
     for rank in range(4):
-        monkeypatch.setattr(ranks.dist, "get_rank", lambda: rank)
+        monkeypatch.setattr(utils.dist, "get_rank", lambda: rank)
         assert torch.equal(transform(images[rank::4], key=(0, 5)), whole[rank::4])
     monkeypatch.undo()
     raw = transform(images)  # no key (validation): normalised only

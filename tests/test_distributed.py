@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader
 
 import distributed
 import processes
-from utils import builtin
-from utils import batches, ranks, scores
+from extras import builtin
+import utils
+from extras import batches, scores
 
 from processes import (
     PYTHON,
@@ -37,7 +38,7 @@ from processes import (
     warm_starts,
     weights,
 )
-from test_your_own_data import copy_with_your_functions
+from test_your_own_data import copy_core, copy_with_your_functions
 
 
 def test_two_processes_equal_one_with_twice_the_batch(reference):
@@ -172,16 +173,14 @@ def compute_loss(outputs, targets):
 
 @pytest.mark.real_launch  # the launch itself
 def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
-    """The README's main job, run in a folder that holds only distributed.py and utils/, learns; so does
-    distributed_fsdp.py with utils/ alone (the tiny job), and distributed.py given a stream. utils/ copied as
-    ddp_utils/ beside a project's own utils.py (which raises on import), the script's import lines changed (the
-    README's sed), trains with DataLoader workers, never importing the project's own (tests/test_stalls.py names a
+    """The README's main job, run in a folder that holds only distributed.py, utils.py and extras/, learns; so
+    does distributed_fsdp.py with them alone (the tiny job), and distributed.py given a stream. utils.py copied as
+    ddp_utils.py beside a project's own utils.py (which raises on import), the script's and the extras' imports
+    changed (the README's sed), trains with DataLoader workers, never importing the project's own (tests/test_stalls.py names a
     stall there)."""
     alone, fsdp, stream = tmp_path / "alone", tmp_path / "fsdp", tmp_path / "stream"
     for folder, script in ((alone, "distributed.py"), (fsdp, "distributed_fsdp.py")):
-        shutil.copytree(
-            ROOT / "utils", folder / "utils", ignore=shutil.ignore_patterns("__pycache__")
-        )
+        copy_core(ROOT, folder)
         shutil.copy(ROOT / script, folder)
     main_job = readme_main_job(tmp_path / "out")
     main_job[main_job.index("distributed.py")] = str(alone / "distributed.py")
@@ -246,7 +245,8 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sharded.returncode == 0 and metrics(fsdp / "out")[-1]["val_acc"] > 0.3, sharded.stderr
     assert streamed.returncode == 0 and len(metrics(stream / "out")) == 1, streamed.stderr
-    assert "from ddp_utils import" in beside.read_text() and "from utils" not in beside.read_text()
+    assert "import ddp_utils" in beside.read_text() and "import utils" not in beside.read_text()
+    assert "from ddp_utils import" in (beside.parent / "extras" / "batches.py").read_text()
     assert renamed.returncode == 0 and metrics(beside.parent / "out")[-1]["val_acc"] > 0.3, (
         renamed.stderr
     )
@@ -584,7 +584,7 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     ],
 )
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
-    assert ranks.slurm_master_addr(nodelist) == first
+    assert utils.slurm_master_addr(nodelist) == first
 
 
 def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from utils import batches, ranks, streams
+import utils
+from extras import batches, streams
 from processes import (
     AGENT_ENV,
     TINY,
@@ -227,7 +228,7 @@ def test_shares_of_a_global_batch_are_distributed_samplers_where_the_batch_divid
 
     def loaded(batch: int, rank: int, world_size: int) -> list[list[int]]:
         sampler = batches.GlobalBatchShares(data, batch, rank, world_size, seed=3)
-        size = ranks.share(batch, rank, world_size)
+        size = utils.share(batch, rank, world_size)
         return [b.tolist() for b in DataLoader(data, size, sampler=sampler, drop_last=True)]
 
     for world_size in (1, 2, 4):

@@ -199,7 +199,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 sys.path.insert(0, sys.argv[2])
-from utils import checkpoints
+from extras import checkpoints
 dist.init_process_group("gloo")
 before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 state = checkpoints.load_checkpoint_everywhere(Path(sys.argv[1]), dist.get_rank())

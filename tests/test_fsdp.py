@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import builtin
-from utils.ranks import host_memory_available
+from extras import builtin
+from extras.checkpoints import host_memory_available
 from processes import (
     EVAL_EVERY,
     OFFLINE,
@@ -294,7 +294,7 @@ class Block(nn.Sequential):
 
 
 def build_datasets(args):  # the scripts' own data and loss: the built-in fake images
-    from utils import builtin
+    from extras import builtin
     return builtin.datasets(args)
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from utils import builtin
+from extras import builtin
 
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__float__,
          torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__}

@@ -13,8 +13,8 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-from utils import images
-from utils import errors
+from extras import images
+import utils
 from image_files import photo, write_image_folder
 from processes import (
     ends_every_rank_with,
@@ -250,13 +250,13 @@ def test_a_bad_validation_file_ends_every_rank_naming_it(tmp_path):
 
 def test_a_data_loader_workers_usage_error_is_its_own_line():
     """What PyTorch re-raises in the main process for a worker's UsageError reads as the line."""
-    wrapped = errors.UsageError(
+    wrapped = utils.UsageError(
         "Caught UsageError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
         'last):\n  File "builtin.py", line 1, in __getitem__\nutils.UsageError: cannot read x.jpg'
         " (broken data stream): remove or replace it\n"
     )
     assert str(wrapped) == "cannot read x.jpg (broken data stream): remove or replace it"
-    assert str(errors.UsageError("plain")) == "plain"
+    assert str(utils.UsageError("plain")) == "plain"
 
 
 def test_a_generated_folder_is_the_same_for_the_same_seed(tmp_path):

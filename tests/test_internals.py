@@ -1,4 +1,4 @@
-"""The private names of PyTorch and Python that the scripts use are reached in utils/internals.py
+"""The private names of PyTorch and Python that the scripts use are reached in extras/internals.py
 alone, and each exists on the installed PyTorch: an upgrade that renames one fails here,
 not in a user's run. Where one is missing all the same, the stall line still comes, naming no rank
 rather than a wrong one."""
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from utils import checks, internals, stalls
+from extras import checks, internals, stalls
 from processes import ROOT
 
 SCRIPTS = sorted(
@@ -63,7 +63,9 @@ def test_each_internal_exists_on_the_installed_pytorch():
 
 
 def test_internals_are_reached_in_one_place():
-    paths = [ROOT / name for name in SCRIPTS] + sorted((ROOT / "utils").glob("*.py"))
+    paths = [ROOT / name for name in (*SCRIPTS, "utils.py")] + sorted(
+        (ROOT / "extras").glob("*.py")
+    )
     for path in paths:
         if path.name == "internals.py":
             continue

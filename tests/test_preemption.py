@@ -36,7 +36,7 @@ from processes import (
     warm_starts,
 )
 from test_your_own_data import copy_with_your_functions
-from utils import checkpoints, ranks
+from extras import checkpoints
 
 
 def by_hand(out: Path, port: int) -> list[tuple[list, dict]]:
@@ -398,13 +398,15 @@ def test_a_memory_cgroups_limit_bounds_the_memory_available(tmp_path, monkeypatc
     """A container's or a Slurm job's memory limit (cgroup version 2 or 1), not the host's MemAvailable, is what a
     background save's copy and FSDP's start-up line measure against: the limit less what is used, the inactive
     page cache counted as free; no limit, the host's alone."""
-    monkeypatch.setattr(ranks, "CGROUP", memory_cgroup(tmp_path, limit, usage, 2**30, 2**29, 2**28))
-    assert ranks.cgroup_memory_left() == 2**30 - 2**29 + 2**28
-    assert ranks.host_memory_available() <= 2**30 - 2**29 + 2**28
+    monkeypatch.setattr(
+        checkpoints, "CGROUP", memory_cgroup(tmp_path, limit, usage, 2**30, 2**29, 2**28)
+    )
+    assert checkpoints.cgroup_memory_left() == 2**30 - 2**29 + 2**28
+    assert checkpoints.host_memory_available() <= 2**30 - 2**29 + 2**28
     (tmp_path / "memory" if limit.endswith("_in_bytes") else tmp_path).joinpath(limit).write_text(
         "max\n" if limit == "memory.max" else f"{2**63 - 4096}\n"
     )
-    assert ranks.cgroup_memory_left() == float("inf")
+    assert checkpoints.cgroup_memory_left() == float("inf")
 
 
 def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and_says_a_failed_write(
@@ -433,7 +435,7 @@ def test_a_background_save_writes_the_state_of_its_moment_a_tied_tensor_once_and
             saves.wait()
         # a container's memory cgroup leaves 100 bytes: the 68 bytes of state would take more than half
         cgroup = memory_cgroup(tmp_path / "cgroup", "memory.max", "memory.current", 1000, 900)
-        monkeypatch.setattr(ranks, "CGROUP", cgroup)
+        monkeypatch.setattr(checkpoints, "CGROUP", cgroup)
         saves.save(state, tmp_path / "c.pt")
         assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["head"], weights)
         assert tmp_path / "c.pt" not in saves.copies

@@ -17,7 +17,7 @@ import torch
 from processes import ends_every_rank_with, max_weight_difference, metrics, run, run_parallel
 from test_your_own_data import copy_with_your_functions, launch
 from test_your_project import PREEMPTED
-from utils import seeds
+from extras import seeds
 
 COMMON = ["--batch-size", "32", "--epochs", "2", "--lr", "0.05", "--timeout", "60"]
 

@@ -22,7 +22,7 @@ from processes import (
     steps,
 )
 from test_your_own_data import copy_with_your_functions, launch
-from utils import seeds
+from extras import seeds
 
 # a user's Dataset with torchvision's random transforms on small random images; each training
 # sample's draws are logged by the process that read it, a worker or a rank: the transformed

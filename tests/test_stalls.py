@@ -137,7 +137,7 @@ CASES = {  # name: (script, when compute_loss stalls, when collate stalls, flags
     "fsdp": ("distributed_fsdp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "mp": ("distributed_mp.py", "LOSSES == 4", "False", [], "compute_loss"),
     "by_hand": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
-    # our folder copied as ddp_utils/ beside a project's own utils.py (test_distributed.py trains it with workers)
+    # our core copied as ddp_utils.py beside a project's own utils.py (test_distributed.py trains it with workers)
     "renamed": ("distributed.py", "LOSSES == 4", "False", [], "compute_loss"),
     # steps of 0.6 x --timeout on one rank, the others waiting for it each time: slow, not stalled
     "slow": ("distributed.py", "2 <= LOSSES <= 4", "False", ["--epochs", "1"], None),
@@ -316,7 +316,7 @@ def test_forkserver_workers_never_stick_at_start_after_a_collective(tmp_path):
 import os, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
 import torch, torch.distributed as dist
-from utils import workers
+from extras import workers
 from torch.utils.data import DataLoader
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from utils import streams
-from utils import batches
+from extras import streams
+from extras import batches
 from processes import (
     ROOT,
     assert_same_records,

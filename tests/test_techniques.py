@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from utils import optimizers
-from utils.profiles import PHASES
+from extras import optimizers
+from extras.profiles import PHASES
 from processes import (
     EVAL_EVERY,
     MEASURED,
@@ -213,7 +213,7 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
 # no gradient between world sizes)
 YOUR_BATCH_NORM = """
 def build_datasets(args):
-    from utils import builtin
+    from extras import builtin
 
     return builtin.datasets(args)
 

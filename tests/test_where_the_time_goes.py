@@ -25,7 +25,7 @@ from processes import (
     torchrun,
 )
 from test_your_own_data import copy_with_your_functions, start_up_step
-from utils import peaks, profiles
+from extras import peaks, profiles
 
 # (torch.cuda.get_device_name(), bfloat16, float16, float32 with TF32, float32 without) as NVIDIA's data sheets give
 # them, dense
@@ -155,7 +155,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import default_collate
 
-from utils import builtin
+from extras import builtin
 
 SLOW_IN = os.environ.get("SLOW_IN") if os.environ.get("RANK") == "1" else None
 
@@ -412,7 +412,7 @@ SLOW_VALIDATION = """
 import os
 import time
 
-from utils import builtin
+from extras import builtin
 
 
 class SlowToValidate(nn.Module):

@@ -641,7 +641,7 @@ def test_a_sampler_past_the_set_and_a_metric_that_is_no_metric_are_one_line_each
     IndexError (at the start-up check or mid-epoch), and a plain function among build_metrics' values in an
     AttributeError. Each is a UsageError, which the scripts say in one line on every rank (a batch read in a worker
     too: stops.next_batch)."""
-    from utils import samplers, scores
+    from extras import samplers, scores
 
     points = torch.utils.data.TensorDataset(torch.randn(4, 8))
     assert samplers.Batches(points)[[(3, 0)]][0][0].shape == (8,)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from utils import ranks
+from extras import together
 from processes import OFFLINE, ROOT, max_weight_difference, metrics, run_parallel, steps
 from test_your_own_data import (
     COMMON,
@@ -219,7 +219,7 @@ class Points(torch.utils.data.Dataset):
         return {"real": self.points[index], "noise": torch.randn(4)}, torch.tensor([1.0, 0.0])
 
 
-class GAN(ranks.TrainedTogether):
+class GAN(together.TrainedTogether):
     """The generator and the discriminator, trained together: each its own DDP and optimizer."""
 
     def forward(self, real, noise):
@@ -281,7 +281,7 @@ calls = 0
 def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_exactly_and_is_profiled_by_step(
     tmp_path,
 ):
-    """A GAN in the user's train_step (build_model's ranks.TrainedTogether: each model its own DDP and optimizer, a
+    """A GAN in the user's train_step (build_model's together.TrainedTogether: each model its own DDP and optimizer, a
     discriminator step and a generator step per step): 2 x 16 == 1 x 32 (1e-5), both losses recorded over all
     ranks; SIGTERM to rank 1 mid-epoch and the same command again == the straight run (1e-6, both models, both
     optimizers and schedules), each step's record once; --profile 3:5 holds steps 3 to 5 each once (one data phase,
@@ -310,7 +310,7 @@ def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_
     )
     # a script that trains one model says so, in one line
     assert results[-1].returncode == 1 and results[-1].stderr.strip().splitlines() == [
-        "error: build_model's GAN is models trained together (ranks.TrainedTogether): distributed.py,"
+        "error: build_model's GAN is models trained together (together.TrainedTogether): distributed.py,"
         " distributed_mp.py and distributed_amp.py train each in its own DDP; this script trains one model"
     ], results[-1].stderr
     state = torch.load(stopped / "checkpoint.pt", weights_only=True)
@@ -343,7 +343,7 @@ def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_
         ]
         assert names.count("data") == 3 and names.count("optimizer") == 6, names
     # the generator's points, at the end, near the data's centre (its untrained ones are far from it)
-    namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "ranks": ranks}
+    namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "together": together}
     exec("import os\nimport signal\n" + YOUR_GAN, namespace)
     gan = namespace["build_model"](None, 2)
     untrained = gan["generator"](torch.randn(1000, 4)).mean(0)

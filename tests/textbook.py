@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the same fake images and model as the scripts, and the same flags and learning-rate schedule
-from utils import builtin, checkpoints, flags, metrics, optimizers  # noqa: E402
+import utils  # noqa: E402
+from extras import builtin, checkpoints, metrics, optimizers  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -89,9 +90,9 @@ def image_folders(root: Path, image_size: int) -> tuple[Dataset, Dataset]:
 
 def parse_args() -> argparse.Namespace:
     """The scripts' own flags and defaults (workers, the peak lr from the batch); this loop uses the workload's."""
-    parser = flags.build_parser(__doc__.splitlines()[0])
+    parser = utils.build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
-    flags.check_args(args)
+    utils.check_args(args)
     if args.dataset not in ("fake", "imagefolder"):
         parser.error("the textbook loop reads --dataset fake or imagefolder only")
     return args

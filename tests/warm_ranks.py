@@ -61,7 +61,7 @@ LIBRARIES = re.compile(
     r"^ *((?:from|import) (?:datasets|peft|transformers|webdataset)\b[^(\n]*)$", re.M
 )
 LIBRARIES_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "WDS_", "USE_", "XDG_", "HOME")
-SERVER_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "FATAL"}
+SERVER_ENV = {"PYTHONUNBUFFERED": "1"}
 # torch's CPU threads in the server, as its environment set them
 DEFAULT_THREADS: list[int] = []
 

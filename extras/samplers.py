@@ -15,8 +15,8 @@ import operator
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
-from .errors import UsageError
-from .ranks import all_gather_objects
+from utils import UsageError
+from utils import all_gather_objects
 from .seeds import SampleSeeds, derive, drawn_from
 
 

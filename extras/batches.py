@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .errors import OURS, UsageError, raised_in, refused_as_one_line
+from utils import OURS, UsageError, raised_in, refused_as_one_line
 from .internals import tree_flatten, tree_map_only, tree_unflatten
-from .ranks import all_reduce, share, world_size
+from utils import all_reduce, share, world_size
 from .samplers import Batches
 
 

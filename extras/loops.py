@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from .batches import batch_to_device, epoch_loader
 from .checks import describe_value
-from .errors import Stopped, UsageError
-from .ranks import errors_shared_by_all_ranks
+from utils import Stopped, UsageError
+from utils import errors_shared_by_all_ranks
 from .samplers import samples_in_step
 from .seeds import seed_step
 

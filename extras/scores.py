@@ -11,8 +11,8 @@ import warnings
 import torch
 
 from .batches import logits
-from .errors import UsageError
-from .ranks import all_gather_objects
+from utils import UsageError
+from utils import all_gather_objects
 
 
 class UserMetrics:

@@ -79,14 +79,22 @@ def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
 
 
 def start_forkserver(folders: list[str]) -> None:
-    """Start multiprocessing's forkserver now, finding the modules it preloads in folders."""
-    # It reads PYTHONPATH, not sys.path, whatever the working directory.
-    path = os.environ.get("PYTHONPATH")
+    """Start multiprocessing's forkserver now (and its resource tracker), finding the modules it
+    preloads in folders."""
+    # It reads PYTHONPATH, not sys.path, whatever the working directory. A rank that ends at once
+    # (an error, a stall) leaves its workers' named semaphores to the resource tracker, which frees
+    # them and would warn about each on stderr: the two processes alone start with that warning
+    # off, and this process's environment is as it was after.
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONWARNINGS")}
+    path, warnings = saved["PYTHONPATH"], saved["PYTHONWARNINGS"]
     os.environ["PYTHONPATH"] = os.pathsep.join([*folders, *([path] if path else [])])
+    quiet = "ignore:resource_tracker"
+    os.environ["PYTHONWARNINGS"] = ",".join([*([warnings] if warnings else []), quiet])
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if path is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = path
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value

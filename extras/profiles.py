@@ -22,9 +22,9 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch.profiler import profile
 
-from .errors import UsageError
+from utils import steps_to_profile
 from .internals import tree_flatten
-from .ranks import Wrapped
+from .together import Wrapped
 
 log = logging.getLogger("train")
 
@@ -232,16 +232,6 @@ def slow_line(record: dict) -> str:
         f"; rank {slow['rank']} slow: {slow['phase']} {slow['ms']:.1f} ms a step against a"
         f" median of {slow['median_ms']:.1f} ms"
     )
-
-
-def steps_to_profile(spec: str | None) -> tuple[int, int] | None:
-    """--profile A:B as (A, B), optimizer steps of this run counted from 1; None without it."""
-    if not spec:
-        return None
-    first, _, last = spec.partition(":")
-    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise UsageError(f"--profile {spec}: give the first and last step as A:B, 1 <= A <= B")
-    return int(first), int(last)
 
 
 class StepProfiler(contextlib.AbstractContextManager):

@@ -15,16 +15,16 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .errors import UsageError, first_line
-from .internals import dtensor_of, tree_flatten, tree_unflatten
-from .ranks import errors_shared_by_all_ranks, host_memory_available, local_ranks, local_shard
-from .ranks import cpu_group, world_size
+from utils import UsageError, first_line
+from .internals import dtensor_of, tree_flatten, tree_map_only, tree_unflatten
+from utils import errors_shared_by_all_ranks, local_ranks, local_shard
+from utils import cpu_group, world_size
 
 log = logging.getLogger("train")
 
@@ -340,3 +340,70 @@ def append_metrics(path: Path, record: dict) -> None:
             if e.errno == errno.ENOSPC and Saves.current is not None:
                 Saves.current.wait()
             raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+# Where the memory cgroups are mounted (version 2 here, version 1 under memory/).
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def host_memory_available() -> float:
+    """The bytes this node's processes share: the host's MemAvailable, or less where a memory cgroup
+    (a container's, a Slurm job's) limits them; infinite where neither can be read."""
+    available = float("inf")
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        available = int(meminfo.read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    return min(available, cgroup_memory_left())
+
+
+def cgroup_memory_left() -> float:
+    """What the memory cgroups of this process leave it, the tightest: each limit less its usage,
+    the page cache it may drop (inactive files) not counted as used; version 2 or 1, at the
+    mount's root (a container's own cgroup), at the process's path and above it (a Slurm job's
+    step and job); infinite without a limit."""
+    paths = {PurePosixPath("/")}
+    if Path("/proc/self/cgroup").exists():
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers in ("", "memory"):
+                paths.update([PurePosixPath(path), *PurePosixPath(path).parents])
+    left = float("inf")
+    for path in paths:
+        relative = str(path).lstrip("/")
+        for folder, limit, usage, inactive in (
+            (CGROUP / relative, "memory.max", "memory.current", "inactive_file"),
+            (
+                CGROUP / "memory" / relative,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            ),
+        ):
+            if not ((folder / limit).is_file() and (folder / usage).is_file()):
+                continue
+            bound = (folder / limit).read_text().strip()
+            # no limit: "max", or version 1's largest page-aligned number
+            if bound == "max" or int(bound) >= 2**62:
+                continue
+            stat = (
+                (folder / "memory.stat").read_text() if (folder / "memory.stat").is_file() else ""
+            )
+            dropped = dict(line.split() for line in stat.splitlines()).get(inactive, 0)
+            left = min(left, int(bound) - int((folder / usage).read_text()) + int(dropped))
+    return left
+
+
+def gather_on_rank_0(obj) -> list | None:
+    """Every rank calls it: every rank's obj, its tensors copied to the CPU, on rank 0 alone."""
+    obj = tree_map_only(torch.Tensor, to_cpu, obj)
+    if world_size() == 1:
+        return [obj]
+    objects = None
+    if dist.get_rank() == 0:
+        objects = [None] * dist.get_world_size()
+    dist.gather_object(obj, objects, dst=0)
+    return objects
+
+
+def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()

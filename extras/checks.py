@@ -20,9 +20,10 @@ from .batch_norm import statistics_kept
 from .batches import WholeBatch, batch_to_device, first_samples, forward
 from .samplers import Batches
 from .seeds import SampleSeeds
-from .errors import UsageError, first_line, refused_as_one_line
+from utils import UsageError, first_line, refused_as_one_line
 from .internals import tree_flatten
-from .ranks import TrainedTogether, errors_shared_by_all_ranks, local_shard, log, world_size
+from utils import errors_shared_by_all_ranks, local_shard, log, world_size
+from .together import TrainedTogether
 
 
 def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
@@ -89,7 +90,7 @@ def dataset_length(dataset) -> int | None:
 def returned_model(model, together: bool = False) -> nn.Module:
     """build_model's module, which must be one with a parameter to train: one line, not a
     traceback at .to() or at the first backward. Models trained together (a GAN's generator and
-    discriminator: ranks.TrainedTogether), each its own DDP, where the script takes them."""
+    discriminator: together.TrainedTogether), each its own DDP, where the script takes them."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"build_model must return an nn.Module, not {describe_value(model)}")
     if isinstance(model, TrainedTogether):
@@ -108,7 +109,7 @@ def check_trained_together(model: TrainedTogether, together: bool) -> None:
     name = type(model).__name__
     if not together:
         raise UsageError(
-            f"build_model's {name} is models trained together (ranks.TrainedTogether):"
+            f"build_model's {name} is models trained together (together.TrainedTogether):"
             " distributed.py, distributed_mp.py and distributed_amp.py train each in its own DDP;"
             " this script trains one model"
         )

@@ -16,7 +16,7 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .errors import UsageError, first_line
+from utils import UsageError, first_line
 
 # what --dataset imagefolder reads: torchvision's ImageFolder's extensions
 IMAGE_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS

@@ -23,7 +23,7 @@ import types
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, get_worker_info
 
-from .ranks import rank
+from utils import rank
 
 
 def derive(*keys) -> int:

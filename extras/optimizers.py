@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .ranks import Wrapped, local_shard, unwrap
+from utils import local_shard, unwrap
+from .together import Wrapped
 
 
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer | Each:

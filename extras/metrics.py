@@ -23,9 +23,9 @@ import torch.nn as nn
 from .batches import class_indices, count_to_device, logits
 from .checkpoints import append_metrics, write_atomically
 from .checks import check_finite, describe_value
-from .errors import UsageError
+from utils import UsageError
 from .profiles import DATA, FORWARD, StepPhases, slow_line
-from .ranks import (
+from utils import (
     all_gather_objects,
     all_reduce,
     errors_shared_by_all_ranks,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from .errors import UsageError, first_line
+from utils import UsageError, first_line
 
 
 class TensorBoardSink:

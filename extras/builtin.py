@@ -23,8 +23,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .batches import to_device
-from .errors import UsageError, first_line
-from .ranks import errors_shared_by_all_ranks, rank, world_size
+from utils import UsageError, first_line
+from utils import errors_shared_by_all_ranks, rank, world_size
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
-from .errors import UsageError, first_line
+from utils import UsageError, first_line
 from .internals import tree_map_only
-from .ranks import all_gather_objects, all_reduce, share
+from utils import all_gather_objects, all_reduce, share
 from .seeds import sample_streams
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .errors import first_line, first_to_say, record_for_torchrun, user_frame, write_line
+from utils import first_line, first_to_say, record_for_torchrun, user_frame, write_line
 from .internals import (
     COMPILE_FILES,
     DATALOADER_WAIT,
@@ -48,7 +48,7 @@ from .internals import (
     default_store,
     nccl_trace,
 )
-from .ranks import world_size
+from utils import world_size
 from .workers import wait_until, worker_stacks
 
 # Collectives wait this much longer than --timeout, so that the watchdog speaks first.
