@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 import utils
 from extras import (
-    batches,
     checkpoints,
     checks,
     loops,
@@ -38,13 +37,18 @@ from extras import (
 from utils import UsageError, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
-# project samples, measures or uses a frozen model in its own way), and the step if you like ----
+# project samples, measures or uses a frozen model in its own way), and the steps if you like ----
 
 
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    # --dataset imagefolder: torchvision's recipe (extras/images.py)
+    if args.dataset == "imagefolder":
+        from extras import images
+
+        return images.datasets(args)
+    # --dataset: CIFAR or fake images (extras/builtin.py)
     from extras import builtin
 
     return builtin.datasets(args)
@@ -102,7 +106,7 @@ def train_step(run: Training, inputs, targets) -> dict:
     loss, the outputs its accuracy is scored on, the gradients' norm where clipped). Rewrite it for
     a step of your own: a loss that reads the inputs, a frozen teacher (docs/your-project.md)."""
     model, optimizer = run.model, run.optimizer
-    outputs = batches.forward(model, inputs)
+    outputs = utils.forward(model, inputs)
     loss = compute_loss(outputs, targets)
     optimizer.zero_grad(set_to_none=True)
     # loss.backward(), the loss weighted by the step's samples: exact for a (sum, count) loss; the
@@ -114,6 +118,14 @@ def train_step(run: Training, inputs, targets) -> dict:
     optimizer.step()
     run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
     return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
+def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
+    """One validation batch, without gradients: (its loss, the outputs scored for accuracy and your
+    metrics). Rewrite it for a validation that needs more than compute_loss(outputs, targets): the
+    inputs, a frozen model (run.frozen["reference"])."""
+    outputs = utils.forward(model, inputs)
+    return compute_loss(outputs, targets), outputs
 
 
 # ---- the approach ----
@@ -147,7 +159,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=batches.Counted(collate),
+        collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
@@ -173,7 +185,9 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     if isinstance(train_set, IterableDataset):
         from extras import streams
 
-        train_sampler = streams.StreamSampler(train_set, args.batch_size, 0, 1, seed=args.seed)
+        train_sampler = streams.StreamSampler(
+            train_set, args.batch_size, 0, 1, seed=args.seed, seeded=seeds.sample_streams
+        )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: each batch
     # read as one, a repeat in the epoch as such (one line if it draws differently each time)
@@ -201,7 +215,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, args.batch_size, 0, 1, train=False, seed=args.seed
+            val_set, args.batch_size, 0, 1, train=False, seed=args.seed, seeded=seeds.sample_streams
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
@@ -233,7 +247,7 @@ class Training:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
         the ranks' parts differ in size."""
-        batches.loss_for_backward(loss, *self.samples).backward()
+        utils.loss_for_backward(loss, *self.samples).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -271,11 +285,11 @@ def evaluate(run: Training) -> dict:
     # a batch this rank cannot read (a bad file) ends its loop, and all_ranks() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(
+        inputs, targets = utils.batch_to_device(
             batch, run.device, run.val_loader.dataset, run.args.channels_last
         )
-        outputs = batches.forward(module, inputs)
-        meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+        loss, outputs = eval_step(run, module, inputs, targets)
+        meter.update(loss, outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     totals = meter.all_ranks()  # the sums (one process: nothing to reduce)
     # val_loss, val_acc (val_acc5 from 5 classes); your metrics over every sample
@@ -290,7 +304,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     progress = run.recorder.all_ranks_state_dict()  # the epoch's sums
     with utils.errors_shared_by_all_ranks():
         # never NaN over the last good checkpoint
-        checks.check_finite(model, epoch, step, None, args)
+        utils.check_finite(model, epoch, step, None, args)
         checkpoint = {
             "model": utils.unwrap(model).state_dict(),
             "optimizer": run.optimizer.state_dict(),
@@ -333,7 +347,9 @@ def main(teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    watchdog = teardown.enter_context(
+        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
+    )
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -353,7 +369,7 @@ def main(teardown: ExitStack) -> None:
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
     train_loader, val_loader = build_loaders(train_set, val_set, args, device)
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = checks.returned_model(build_model(args, num_classes))
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
     # and every saved file
@@ -392,7 +408,7 @@ def main(teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
     val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
@@ -427,6 +443,13 @@ def main(teardown: ExitStack) -> None:
         ema=ema,
     )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
+    # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
+    # W&B run)
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0 and (args.tensorboard or args.wandb):
+            from extras import sinks
+
+            recorder.sinks = sinks.started(args, recorder)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
@@ -447,7 +470,7 @@ def main(teardown: ExitStack) -> None:
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
-                checks.check_finite(model, epoch + 1, 0, record, args)
+                utils.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)

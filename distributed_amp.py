@@ -30,11 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 import utils
 from extras import (
-    batch_norm,
-    batches,
     checkpoints,
     checks,
-    internals,
     loops,
     metrics,
     optimizers,
@@ -44,19 +41,23 @@ from extras import (
     scores,
     seeds,
     stalls,
-    together,
     workers,
 )
 from utils import log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
-# project samples, measures or uses a frozen model in its own way), and the step if you like ----
+# project samples, measures or uses a frozen model in its own way), and the steps if you like ----
 
 
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    # --dataset imagefolder: torchvision's recipe (extras/images.py)
+    if args.dataset == "imagefolder":
+        from extras import images
+
+        return images.datasets(args)
+    # --dataset: CIFAR or fake images (extras/builtin.py)
     from extras import builtin
 
     return builtin.datasets(args)
@@ -112,17 +113,16 @@ def build_frozen(args, num_classes: int) -> dict:
 def train_step(run: Training, inputs, targets) -> dict:
     """One optimizer step on this rank's part of the global batch: what the loop records of it (the
     loss, the outputs its accuracy is scored on, the gradients' norm where clipped). Rewrite it for
-    a step of your own (docs/your-project.md), keeping GradScaler's calls: run.backward() scales the
-    loss, so the gradients are unscaled before clipping, and scaler.step() and scaler.update()
-    take the optimizer's step."""
+    a step of your own: a loss that reads the inputs, a frozen teacher (docs/your-project.md),
+    keeping GradScaler's calls (run.backward() scales the loss: unscale_ before clipping)."""
     model, optimizer, scaler = run.model, run.optimizer, run.scaler
     # autocast: forward and loss only, not backward
     with torch.autocast(run.device.type, dtype=run.amp_dtype):
-        outputs = batches.forward(model, inputs)
+        outputs = utils.forward(model, inputs)
         loss = compute_loss(outputs, targets)
     optimizer.zero_grad(set_to_none=True)
-    # loss.backward() of the scaled loss, weighted by this rank's part of the batch: exact for a
-    # (sum, count) loss and for parts of unequal size; DDP all-reduces the gradients meanwhile
+    # loss.backward(), the loss weighted by this rank's part of the batch: exact for a (sum, count)
+    # loss and for parts of unequal size; DDP all-reduces the gradients meanwhile, bucket by bucket
     run.backward(loss)
     grad_norm = None
     if run.args.clip_grad:  # the norm before clipping (all ranks hold the same gradients)
@@ -134,6 +134,17 @@ def train_step(run: Training, inputs, targets) -> dict:
     scaler.update()  # halves the scale after a skip, grows it after many good steps
     run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
     return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
+def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
+    """One validation batch, without gradients: (its loss, the outputs scored for accuracy and your
+    metrics). Rewrite it for a validation that needs more than compute_loss(outputs, targets): the
+    inputs, a frozen model (run.frozen["reference"])."""
+    # the loss too: autocast keeps it float32
+    with torch.autocast(run.device.type, dtype=run.amp_dtype):
+        outputs = utils.forward(model, inputs)
+        loss = compute_loss(outputs, targets)
+    return loss, outputs
 
 
 # ---- the approach ----
@@ -170,7 +181,12 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
+    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        from extras import slurm
+
+        slurm.set_ranks(args.port)
+    # torchrun's RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
     rank, local_rank, world_size = utils.from_environment(args)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
@@ -187,6 +203,11 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     timeout = timedelta(seconds=args.timeout)
     with utils.init_errors_as_one_line(init_method):
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        # torchrun's store outlives a restart of its workers: a part no earlier group wrote to
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            from extras import elastic
+
+            store = elastic.fresh_namespace(store, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -208,7 +229,7 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=batches.Counted(collate),
+        collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
@@ -235,7 +256,12 @@ def build_loaders(
         from extras import streams
 
         train_sampler = streams.StreamSampler(
-            train_set, args.batch_size, rank, world_size, seed=args.seed
+            train_set,
+            args.batch_size,
+            rank,
+            world_size,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -259,7 +285,9 @@ def build_loaders(
         else:
             # a batch the ranks do not divide (an elastic run on any world size): each rank takes
             # every W-th sample of each global batch, its share within one of the others'
-            train_sampler = batches.GlobalBatchShares(
+            from extras import elastic
+
+            train_sampler = elastic.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
         train_loader = DataLoader(
@@ -276,13 +304,19 @@ def build_loaders(
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
+            val_set,
+            args.batch_size,
+            rank,
+            world_size,
+            train=False,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
             val_set,
-            batch_sampler=samplers.ValidationShares(
+            batch_sampler=utils.ValidationShares(
                 range(rank, len(val_set), world_size), args.batch_size
             ),
             **common,
@@ -313,10 +347,18 @@ class Training:
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss) -> None:
-        """loss.backward() of the scaled loss: compute_loss's mean weighted by this rank's part of
-        the step's samples, its (sum, count) by all ranks' count: the gradient of the whole batch's
-        mean, also where the ranks' parts differ in size."""
-        self.scaler.scale(batches.loss_for_backward(loss, *self.samples)).backward()
+        """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
+        its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
+        the ranks' parts differ in size."""
+        self.scaler.scale(utils.loss_for_backward(loss, *self.samples)).backward()
+
+
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The scaler's scale as a tensor on the device (get_scale() would wait for the device); its
+    first scale before its first scale(). Private attributes: tests/test_internals.py."""
+    if scaler._scale is None:
+        return torch.full((), scaler.get_scale(), device=scaler._device)
+    return scaler._scale
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -329,11 +371,11 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
     scaler, skipped = run.scaler, torch.zeros((), device=run.device)
     for inputs, targets in steps:
-        scale = internals.loss_scale(scaler).clone() if scaler.is_enabled() else None
+        scale = loss_scale(scaler).clone() if scaler.is_enabled() else None
         result = train_step(run, inputs, targets)
         run.ema.update()  # --ema: the average moves toward the new weights
         if scale is not None:  # a skipped step halved the scale: counted on the device
-            skipped += internals.loss_scale(scaler) < scale
+            skipped += loss_scale(scaler) < scale
         steps.done(result)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed; the
     # skipped steps read back from the device once an epoch
@@ -368,13 +410,10 @@ def evaluate(run: Training) -> dict:
     # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(
+        inputs, targets = utils.batch_to_device(
             batch, run.device, run.val_loader.dataset, run.args.channels_last
         )
-        # the loss too: autocast keeps it float32
-        with torch.autocast(run.device.type, dtype=run.amp_dtype):
-            outputs = batches.forward(module, inputs)
-            loss = compute_loss(outputs, targets)
+        loss, outputs = eval_step(run, module, inputs, targets)
         meter.update(loss, outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
@@ -394,7 +433,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
-            checks.check_finite(run.model, epoch, step, None, run.args)
+            utils.check_finite(run.model, epoch, step, None, run.args)
             checkpoint = {
                 "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
@@ -439,7 +478,9 @@ def main(teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    watchdog = teardown.enter_context(
+        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
+    )
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -460,7 +501,7 @@ def main(teardown: ExitStack) -> None:
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = checks.returned_model(build_model(args, num_classes), together=True)
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
     # and every saved file
@@ -476,6 +517,8 @@ def main(teardown: ExitStack) -> None:
     if args.sync_bn and device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
+        from extras import batch_norm
+
         model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
@@ -486,8 +529,8 @@ def main(teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **utils.no_buffer_sync_per_forward(),
     )
-    if isinstance(model, together.TrainedTogether):  # a GAN's models: each its own DDP
-        model = together.Wrapped(model, DDP, **options)
+    if isinstance(model, utils.TrainedTogether):  # a GAN's models: each its own DDP
+        model = utils.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
@@ -495,7 +538,7 @@ def main(teardown: ExitStack) -> None:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         # DDP's buckets split the compiled graph (models trained together: each one's)
-        model = together.each(model, torch.compile, mode=args.compile_mode)
+        model = utils.each(model, torch.compile, mode=args.compile_mode)
     # --optimizer: SGD or AdamW (models trained together: one each, run.optimizer["generator"])
     optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
@@ -520,7 +563,7 @@ def main(teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
     val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
@@ -558,6 +601,13 @@ def main(teardown: ExitStack) -> None:
         ema=ema,
     )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
+    # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
+    # W&B run)
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0 and (args.tensorboard or args.wandb):
+            from extras import sinks
+
+            recorder.sinks = sinks.started(args, recorder)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
@@ -578,7 +628,7 @@ def main(teardown: ExitStack) -> None:
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
-                checks.check_finite(model, epoch + 1, 0, record, args)
+                utils.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)

@@ -50,10 +50,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 import utils
 from extras import (
-    batches,
     checkpoints,
     checks,
-    internals,
     loops,
     metrics,
     optimizers,
@@ -68,13 +66,18 @@ from extras import (
 from utils import UsageError, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
-# project samples, measures or uses a frozen model in its own way), and the step if you like ----
+# project samples, measures or uses a frozen model in its own way), and the steps if you like ----
 
 
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    # --dataset imagefolder: torchvision's recipe (extras/images.py)
+    if args.dataset == "imagefolder":
+        from extras import images
+
+        return images.datasets(args)
+    # --dataset: CIFAR or fake images (extras/builtin.py)
     from extras import builtin
 
     return builtin.datasets(args)
@@ -134,7 +137,7 @@ def train_step(run: Training, inputs, targets) -> dict:
     loss, so the gradients are unscaled before clipping, and scaler.step() and scaler.update()
     take the optimizer's step."""
     model, optimizer, scaler = run.model, run.optimizer, run.scaler
-    outputs = batches.forward(model, inputs)
+    outputs = utils.forward(model, inputs)
     loss = compute_loss(outputs, targets)
     # loss.backward() of the scaled loss, weighted by this rank's part of the batch: exact for a
     # (sum, count) loss and for parts of unequal size; FSDP reduce-scatters each block's gradients
@@ -157,6 +160,14 @@ def train_step(run: Training, inputs, targets) -> dict:
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
     return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
+def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
+    """One validation batch, without gradients: (its loss, the outputs scored for accuracy and your
+    metrics). Rewrite it for a validation that needs more than compute_loss(outputs, targets): the
+    inputs, a frozen model (run.frozen["reference"])."""
+    outputs = utils.forward(model, inputs)
+    return compute_loss(outputs, targets), outputs
 
 
 # ---- the approach ----
@@ -216,7 +227,12 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
+    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        from extras import slurm
+
+        slurm.set_ranks(args.port)
+    # torchrun's RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
     rank, local_rank, world_size = utils.from_environment(args)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
@@ -236,6 +252,11 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     timeout = timedelta(seconds=args.timeout)
     with utils.init_errors_as_one_line(init_method):
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        # torchrun's store outlives a restart of its workers: a part no earlier group wrote to
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            from extras import elastic
+
+            store = elastic.fresh_namespace(store, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -266,7 +287,7 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=batches.Counted(collate),
+        collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
@@ -293,7 +314,12 @@ def build_loaders(
         from extras import streams
 
         train_sampler = streams.StreamSampler(
-            train_set, args.batch_size, rank, world_size, seed=args.seed
+            train_set,
+            args.batch_size,
+            rank,
+            world_size,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -317,7 +343,9 @@ def build_loaders(
         else:
             # a batch the ranks do not divide (an elastic run on any world size): each rank takes
             # every W-th sample of each global batch, its share within one of the others'
-            train_sampler = batches.GlobalBatchShares(
+            from extras import elastic
+
+            train_sampler = elastic.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
         train_loader = DataLoader(
@@ -334,13 +362,19 @@ def build_loaders(
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
+            val_set,
+            args.batch_size,
+            rank,
+            world_size,
+            train=False,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
             val_set,
-            batch_sampler=samplers.ValidationShares(
+            batch_sampler=utils.ValidationShares(
                 range(rank, len(val_set), world_size), args.batch_size
             ),
             **common,
@@ -444,8 +478,12 @@ def shard_model(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         else:
+            # FSDP2's composable checkpoint: hooks rather than a wrapper module, so that the state
+            # dict's keys stay plain (a private module: tests/test_internals.py)
+            from torch.distributed._composable import checkpoint
+
             for block in units:
-                internals.checkpoint_activations(block)  # the checkpoint's keys stay plain
+                checkpoint(block)
     # compute in amp_dtype; gradients reduced and weights kept in float32; the root's outputs in
     # float32 for the loss; --cpu-offload: shards in host memory, each block copied to the GPU for
     # its forward and backward
@@ -495,7 +533,7 @@ class Training:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
         the ranks' parts differ in size."""
-        self.scaler.scale(batches.loss_for_backward(loss, *self.samples)).backward()
+        self.scaler.scale(utils.loss_for_backward(loss, *self.samples)).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -536,7 +574,7 @@ def evaluate(run: Training) -> dict:
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
-    spare = (0, run.val_loader.collate_fn(batches.first_samples(run.val_loader, 1))[1])
+    spare = (0, run.val_loader.collate_fn(utils.first_samples(run.val_loader, 1))[1])
     # a batch this rank cannot read (a bad file) ends its share, and validation_record() every rank
     shard = meter.read(run.val_loader)
     while True:
@@ -546,12 +584,12 @@ def evaluate(run: Training) -> dict:
             break
         num_samples, batch = item or spare
         run.watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(
+        inputs, targets = utils.batch_to_device(
             batch, run.device, run.val_loader.dataset, run.args.channels_last
         )
-        outputs = batches.forward(run.model, inputs)
+        loss, outputs = eval_step(run, run.model, inputs, targets)
         if num_samples:
-            meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+            meter.update(loss, outputs, targets, num_samples)
             run.val_metrics.update(outputs, targets)
     # the root keeps its weights gathered after forward, for a backward: free them
     utils.unwrap(run.model).reshard()
@@ -673,7 +711,7 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
     rank, output_dir = dist.get_rank(), Path(args.output_dir)
     # agreed before the sharded save, a collective, begins: never NaN over the last good checkpoint
     with utils.errors_shared_by_all_ranks():
-        checks.check_finite(run.model, epoch, step, None, args)  # each rank its own shards
+        utils.check_finite(run.model, epoch, step, None, args)  # each rank its own shards
     with utils.errors_shared_by_all_ranks():
         state = {**training_state(run), "epoch": epoch, "step": step}
         write = functools.partial(save_sharded, group=run.save_group)
@@ -736,7 +774,9 @@ def main(teardown: ExitStack) -> None:
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    watchdog = teardown.enter_context(
+        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
+    )
     # every rank's shards written by a thread while training goes on, its collectives over a
     # group of their own (the CPU's): a failed write ends every rank at the next step; the run
     # ends once they are written
@@ -780,7 +820,7 @@ def main(teardown: ExitStack) -> None:
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
     model = checks.returned_model(build_once(args, num_classes, rank))
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
@@ -835,7 +875,7 @@ def main(teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
     val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
@@ -869,6 +909,13 @@ def main(teardown: ExitStack) -> None:
             state, path, args, scheduler=scheduler, scaler=scaler, records=recorder, ema=ema
         )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
+    # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
+    # W&B run)
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0 and (args.tensorboard or args.wandb):
+            from extras import sinks
+
+            recorder.sinks = sinks.started(args, recorder)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
@@ -888,7 +935,7 @@ def main(teardown: ExitStack) -> None:
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)
         with utils.errors_shared_by_all_ranks():
-            checks.check_finite(model, epoch + 1, 0, record, args)
+            utils.check_finite(model, epoch + 1, 0, record, args)
             if rank == 0:
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0, final=epoch + 1 == last_epoch)

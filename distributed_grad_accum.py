@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 import utils
 from extras import (
-    batch_norm,
     batches,
     checkpoints,
     checks,
@@ -46,13 +45,18 @@ from extras import (
 from utils import UsageError, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
-# project samples, measures or uses a frozen model in its own way), and the step if you like ----
+# project samples, measures or uses a frozen model in its own way), and the steps if you like ----
 
 
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    # --dataset imagefolder: torchvision's recipe (extras/images.py)
+    if args.dataset == "imagefolder":
+        from extras import images
+
+        return images.datasets(args)
+    # --dataset: CIFAR or fake images (extras/builtin.py)
     from extras import builtin
 
     return builtin.datasets(args)
@@ -118,7 +122,7 @@ def train_step(run: Training, micro_batches) -> dict:
         # DDP prepares its all-reduce there
         synced = i == run.args.accum_steps or run.args.sync_every_micro_batch
         with nullcontext() if synced else model.no_sync():
-            outputs = batches.forward(model, inputs)
+            outputs = utils.forward(model, inputs)
             loss = compute_loss(outputs, targets)
             # loss.backward(), weighted so that the micro-batches' gradients add up to the whole
             # batch's mean
@@ -135,6 +139,14 @@ def train_step(run: Training, micro_batches) -> dict:
     return dict(grad_norm=grad_norm)
 
 
+def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
+    """One validation batch, without gradients: (its loss, the outputs scored for accuracy and your
+    metrics). Rewrite it for a validation that needs more than compute_loss(outputs, targets): the
+    inputs, a frozen model (run.frozen["reference"])."""
+    outputs = utils.forward(model, inputs)
+    return compute_loss(outputs, targets), outputs
+
+
 def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
     """train_step for a loss over the whole batch (compute_loss calls batches.whole_batch), which
     needs all of the step's outputs at once, as GradCache and open_clip's --accum-freq compute it:
@@ -148,10 +160,10 @@ def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
     samples = [n for _, _, n in micro_batches]
     parts, draws = [], []
     # the outputs without gradients; batch-norm statistics move in the second forward only
-    with torch.no_grad(), batch_norm.statistics_kept(model):
+    with torch.no_grad(), checks.statistics_kept(model):
         for inputs, _, _ in micro_batches:
             draws.append(seeds.model_streams())
-            parts.append(batches.forward(model, inputs))
+            parts.append(utils.forward(model, inputs))
     targets = batches.Joined([targets for _, targets, _ in micro_batches], samples).whole
     outputs = batches.Joined(parts, samples, grad=True)
     # the loss over all ranks' whole step (whole_batch's all-gathers), its gradient at the outputs
@@ -162,7 +174,7 @@ def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
         # DDP all-reduces in the last micro-batch's backward only
         with nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
             seeds.draw_again(draws[i])
-            outputs.backward(i, batches.forward(model, inputs))
+            outputs.backward(i, utils.forward(model, inputs))
     if not isinstance(loss, torch.Tensor):
         divide_by_items(model, items, run.samples[1])
     grad_norm = None
@@ -179,7 +191,7 @@ def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
     made those of the sum divided by the items of all ranks and micro-batches: one small
     all-reduce of the count.
     """
-    items = batches.count_to_device(items, next(model.parameters()).device)
+    items = utils.count_to_device(items, next(model.parameters()).device)
     dist.all_reduce(items)
     factor = (step_samples / items.clamp(min=1)).float()
     for p in model.parameters():
@@ -217,7 +229,12 @@ def parse_args():
 
 def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    # torchrun's (or Slurm's) RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
+    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        from extras import slurm
+
+        slurm.set_ranks(args.port)
+    # torchrun's RANK, WORLD_SIZE and LOCAL_RANK; a world of one without them
     rank, local_rank, world_size = utils.from_environment(args)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
@@ -234,6 +251,11 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
     timeout = timedelta(seconds=args.timeout)
     with utils.init_errors_as_one_line(init_method):
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        # torchrun's store outlives a restart of its workers: a part no earlier group wrote to
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            from extras import elastic
+
+            store = elastic.fresh_namespace(store, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -256,7 +278,7 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=batches.Counted(collate),
+        collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
@@ -290,6 +312,7 @@ def build_loaders(
             # a step's batch: its readers
             micro_batches=args.accum_steps,
             seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -313,7 +336,9 @@ def build_loaders(
         else:
             # a micro-batch the ranks do not divide (an elastic run on any world size): each rank
             # takes every W-th sample of each, its share within one of the others'
-            train_sampler = batches.GlobalBatchShares(
+            from extras import elastic
+
+            train_sampler = elastic.GlobalBatchShares(
                 train_set, micro_batch, rank, world_size, args.seed, args.accum_steps
             )
         train_loader = DataLoader(
@@ -330,13 +355,19 @@ def build_loaders(
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, micro_batch, rank, world_size, train=False, seed=args.seed
+            val_set,
+            micro_batch,
+            rank,
+            world_size,
+            train=False,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
             val_set,
-            batch_sampler=samplers.ValidationShares(
+            batch_sampler=utils.ValidationShares(
                 range(rank, len(val_set), world_size), micro_batch
             ),
             **common,
@@ -423,11 +454,11 @@ def evaluate(run: Training) -> dict:
     # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(
+        inputs, targets = utils.batch_to_device(
             batch, run.device, run.val_loader.dataset, run.args.channels_last
         )
-        outputs = batches.forward(module, inputs)
-        meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+        loss, outputs = eval_step(run, module, inputs, targets)
+        meter.update(loss, outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
@@ -447,7 +478,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
-            checks.check_finite(model, epoch, step, None, args)
+            utils.check_finite(model, epoch, step, None, args)
             checkpoint = {
                 "model": utils.unwrap(model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
@@ -491,7 +522,9 @@ def main(teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    watchdog = teardown.enter_context(
+        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
+    )
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -519,7 +552,7 @@ def main(teardown: ExitStack) -> None:
     )
     # full batches of K micro-batches, cut at --steps-per-epoch (which a stream without __len__
     # needs)
-    steps_per_epoch = batches.steps_per_epoch(train_loader, args, args.accum_steps)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args, args.accum_steps)
     model = checks.returned_model(build_model(args, num_classes))
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
     # and every saved file
@@ -537,6 +570,8 @@ def main(teardown: ExitStack) -> None:
     if args.sync_bn and device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
+        from extras import batch_norm
+
         model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
@@ -572,7 +607,7 @@ def main(teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
     val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
@@ -608,6 +643,13 @@ def main(teardown: ExitStack) -> None:
         ema=ema,
     )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
+    # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
+    # W&B run)
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0 and (args.tensorboard or args.wandb):
+            from extras import sinks
+
+            recorder.sinks = sinks.started(args, recorder)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
@@ -628,7 +670,7 @@ def main(teardown: ExitStack) -> None:
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
-                checks.check_finite(model, epoch + 1, 0, record, args)
+                utils.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)

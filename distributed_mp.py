@@ -38,8 +38,6 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 
 import utils
 from extras import (
-    batch_norm,
-    batches,
     checkpoints,
     checks,
     loops,
@@ -51,19 +49,23 @@ from extras import (
     scores,
     seeds,
     stalls,
-    together,
     workers,
 )
 from utils import first_line, log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
-# project samples, measures or uses a frozen model in its own way), and the step if you like ----
+# project samples, measures or uses a frozen model in its own way), and the steps if you like ----
 
 
 def build_datasets(args):
     """(train_set, val_set, num_classes): map-style Datasets of samples that collate() makes batches
     of."""
-    # --dataset: CIFAR, an image folder or fake images (extras/builtin.py)
+    # --dataset imagefolder: torchvision's recipe (extras/images.py)
+    if args.dataset == "imagefolder":
+        from extras import images
+
+        return images.datasets(args)
+    # --dataset: CIFAR or fake images (extras/builtin.py)
     from extras import builtin
 
     return builtin.datasets(args)
@@ -121,7 +123,7 @@ def train_step(run: Training, inputs, targets) -> dict:
     loss, the outputs its accuracy is scored on, the gradients' norm where clipped). Rewrite it for
     a step of your own: a loss that reads the inputs, a frozen teacher (docs/your-project.md)."""
     model, optimizer = run.model, run.optimizer
-    outputs = batches.forward(model, inputs)
+    outputs = utils.forward(model, inputs)
     loss = compute_loss(outputs, targets)
     optimizer.zero_grad(set_to_none=True)
     # loss.backward(), the loss weighted by this rank's part of the batch: exact for a (sum, count)
@@ -133,6 +135,14 @@ def train_step(run: Training, inputs, targets) -> dict:
     optimizer.step()
     run.scheduler.step()  # per optimizer step: the warm-up, then the cosine decay
     return dict(loss=loss, outputs=outputs, grad_norm=grad_norm)
+
+
+def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
+    """One validation batch, without gradients: (its loss, the outputs scored for accuracy and your
+    metrics). Rewrite it for a validation that needs more than compute_loss(outputs, targets): the
+    inputs, a frozen model (run.frozen["reference"])."""
+    outputs = utils.forward(model, inputs)
+    return compute_loss(outputs, targets), outputs
 
 
 # ---- the approach ----
@@ -182,6 +192,11 @@ def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.devic
     timeout = timedelta(seconds=args.timeout)
     with utils.init_errors_as_one_line(init_method):
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
+        # torchrun's store outlives a restart of its workers: a part no earlier group wrote to
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            from extras import elastic
+
+            store = elastic.fresh_namespace(store, rank, world_size, timeout)
         # device_id binds the group to this GPU: no guessing (and warning) at barrier()
         dist.init_process_group(
             backend,
@@ -203,7 +218,7 @@ def build_loaders(
     # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
     # (gloo's) could deadlock a forked child
     common = dict(
-        collate_fn=batches.Counted(collate),
+        collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
@@ -230,7 +245,12 @@ def build_loaders(
         from extras import streams
 
         train_sampler = streams.StreamSampler(
-            train_set, args.batch_size, rank, world_size, seed=args.seed
+            train_set,
+            args.batch_size,
+            rank,
+            world_size,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -254,7 +274,9 @@ def build_loaders(
         else:
             # a batch the ranks do not divide (an elastic run on any world size): each rank takes
             # every W-th sample of each global batch, its share within one of the others'
-            train_sampler = batches.GlobalBatchShares(
+            from extras import elastic
+
+            train_sampler = elastic.GlobalBatchShares(
                 train_set, args.batch_size, rank, world_size, args.seed
             )
         train_loader = DataLoader(
@@ -271,13 +293,19 @@ def build_loaders(
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, args.batch_size, rank, world_size, train=False, seed=args.seed
+            val_set,
+            args.batch_size,
+            rank,
+            world_size,
+            train=False,
+            seed=args.seed,
+            seeded=seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
         val_loader = DataLoader(
             val_set,
-            batch_sampler=samplers.ValidationShares(
+            batch_sampler=utils.ValidationShares(
                 range(rank, len(val_set), world_size), args.batch_size
             ),
             **common,
@@ -309,7 +337,7 @@ class Training:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
         the ranks' parts differ in size."""
-        batches.loss_for_backward(loss, *self.samples).backward()
+        utils.loss_for_backward(loss, *self.samples).backward()
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -352,11 +380,11 @@ def evaluate(run: Training) -> dict:
     # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
-        inputs, targets = batches.batch_to_device(
+        inputs, targets = utils.batch_to_device(
             batch, run.device, run.val_loader.dataset, run.args.channels_last
         )
-        outputs = batches.forward(module, inputs)
-        meter.update(compute_loss(outputs, targets), outputs, targets, num_samples)
+        loss, outputs = eval_step(run, module, inputs, targets)
+        meter.update(loss, outputs, targets, num_samples)
         run.val_metrics.update(outputs, targets)
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
@@ -375,7 +403,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
-            checks.check_finite(run.model, epoch, step, None, run.args)
+            utils.check_finite(run.model, epoch, step, None, run.args)
             checkpoint = {
                 "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
@@ -396,6 +424,16 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                     run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
 
 
+def save_best(run: Training) -> None:
+    """model_best.pt: the weights just validated (the average's for an _ema name), plain keys.
+    Every rank calls it; rank 0 writes, while training goes on."""
+    with utils.errors_shared_by_all_ranks():
+        if dist.get_rank() == 0:
+            with run.ema.swapped_for(run.args.keep_best):
+                state = utils.unwrap(run.model).state_dict()
+                run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
+
+
 def worker(local_rank: int, args, lines) -> None:
     """One spawned process; its one-line error (or a stall's) goes to the parent, which prints it (a
     stop it prints itself)."""
@@ -414,7 +452,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank, say))
+    watchdog = teardown.enter_context(
+        stalls.Watchdog(args.timeout, output_dir, rank, say, worker_stacks=workers.worker_stacks)
+    )
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -435,7 +475,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
-    steps_per_epoch = batches.steps_per_epoch(train_loader, args)
+    steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     model = checks.returned_model(build_model(args, num_classes), together=True)
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
     # and every saved file
@@ -451,6 +491,8 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     if args.sync_bn and device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
+        from extras import batch_norm
+
         model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
@@ -461,8 +503,8 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **utils.no_buffer_sync_per_forward(),
     )
-    if isinstance(model, together.TrainedTogether):  # a GAN's models: each its own DDP
-        model = together.Wrapped(model, DDP, **options)
+    if isinstance(model, utils.TrainedTogether):  # a GAN's models: each its own DDP
+        model = utils.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
@@ -470,7 +512,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if args.compile:
         # DDP's buckets split the compiled graph (models trained together: each one's)
-        model = together.each(model, torch.compile, mode=args.compile_mode)
+        model = utils.each(model, torch.compile, mode=args.compile_mode)
     # --optimizer: SGD or AdamW (models trained together: one each, run.optimizer["generator"])
     optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
@@ -490,7 +532,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
     # your metrics (build_metrics), on this device; --keep-best must name a validation value
     val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
     checks.check_keep_best(args, val_metrics.names(), num_classes)
@@ -525,6 +567,13 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         ema=ema,
     )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
+    # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
+    # W&B run)
+    with utils.errors_shared_by_all_ranks():
+        if rank == 0 and (args.tensorboard or args.wandb):
+            from extras import sinks
+
+            recorder.sinks = sinks.started(args, recorder)
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):
@@ -545,7 +594,7 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():
             if rank == 0:
-                checks.check_finite(model, epoch + 1, 0, record, args)
+                utils.check_finite(model, epoch + 1, 0, record, args)
                 recorder.epoch(record)
         save_checkpoint(run, epoch + 1, 0)
     # a Hugging Face model: hf/, for from_pretrained (a PEFT adapter alone)
@@ -569,16 +618,6 @@ def pass_on(children: mp.ProcessContext, signum: int, frame) -> None:
     """The parent's SIGTERM or SIGUSR1, sent on to each child."""
     for process in children.processes:
         os.kill(process.pid, signum)
-
-
-def save_best(run: Training) -> None:
-    """model_best.pt: the weights just validated (the average's for an _ema name), plain keys.
-    Every rank calls it; rank 0 writes, while training goes on."""
-    with utils.errors_shared_by_all_ranks():
-        if dist.get_rank() == 0:
-            with run.ema.swapped_for(run.args.keep_best):
-                state = utils.unwrap(run.model).state_dict()
-                run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:

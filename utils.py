@@ -23,9 +23,12 @@ import gc
 import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import logging
+import math
 import os
+import random
 import re
 import signal
 import socket
@@ -33,14 +36,18 @@ import sys
 import sysconfig
 import time
 import traceback
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+
+# Nested tuples, lists and dicts of tensors, mapped and flattened: PyTorch's own tree utilities,
+# which torch.compile and FSDP use too (a private module: tests/test_internals.py).
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: F401
 
 # PyTorch 2.8 or newer: on an older one a gloo process group could hang at exit (PyTorch PR
 # 154976), and a listening socket failed the tcp:// store. 2.8.0a0 (a container's build) is 2.8.
@@ -157,11 +164,7 @@ def run_main(
         if line is not None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # After the except blocks, whose exception kept main's frames (the model, DDP, FSDP)
-        # alive. W&B's records on disk before the line.
-        wandb = sys.modules.get("wandb")
-        if wandb is not None and wandb.run is not None:
-            wandb.finish(exit_code=int(exit_code != 0 or line is not None))
-        # Free them and their process groups while the interpreter is whole.
+        # alive: free them and their process groups while the interpreter is whole.
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -331,7 +334,10 @@ def rendezvous_store(
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts the store
             agent_store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-            return fresh_namespace(agent_store, rank, world_size, timeout)
+            # each restart of torchrun's workers a part of it, by its count, as PyTorch's env://
+            # (extras/elastic.py: also where nodes restart unequally)
+            restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            return dist.PrefixStore(f"ddp/restart{restarts}/", agent_store)
         url = urlparse(f"tcp://{host}:{port}")  # Slurm, or MASTER_ADDR set by hand
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
         raise UsageError(f"--dist-url {init_method}: give env://, tcp://HOST:PORT or file:///PATH")
@@ -348,53 +354,39 @@ def rendezvous_store(
                 reason = "the port is in use; choose another --port"
             where = f"tcp://{url.hostname}:{url.port}"
             raise UsageError(f"cannot listen on {where}: {reason}") from None
-    return dist.TCPStore(
-        url.hostname,
-        url.port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        master_listen_fd=listen_fd,
-    )
+    # A client retries while rank 0 is not yet listening, and PyTorch logs each retry with a C++
+    # stack (TORCH_CPP_LOG_LEVEL, read at start-up only, would mute every C++ warning of the
+    # process): standard error set aside while it connects; a failure is one line, said after.
+    with stderr_set_aside() if rank != 0 else contextlib.nullcontext():
+        return dist.TCPStore(
+            url.hostname,
+            url.port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            master_listen_fd=listen_fd,
+        )
 
 
-def fresh_namespace(
-    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
-) -> dist.Store:
-    """A part of store no earlier group of this job wrote to: rank 0 draws a generation and
-    answers each rank's token with it."""
-    # torchrun keeps its store across worker restarts, whose count differs between nodes (PyTorch
-    # issue 135712).
-    if rank != 0:
-        token = uuid.uuid4().hex
-        store.set(f"ddp/hello/{rank}", token)
-        generation = int(store.get(f"ddp/answer/{token}"))  # waits for rank 0's answer
-        store.add(f"ddp/{generation}/joined", 1)
-        return dist.PrefixStore(f"ddp/{generation}/", store)
-    deadline = time.monotonic() + timeout.total_seconds()
-    generation = store.add("ddp/generation", 1)
-    answered = set()
-    hellos = [f"ddp/hello/{r}" for r in range(1, world_size)]
-    while True:
-        joined = store.add(f"ddp/{generation}/joined", 0)
-        if joined >= world_size - 1:
-            return dist.PrefixStore(f"ddp/{generation}/", store)
-        arrived = [key for key in hellos if store.check([key])]
-        for token in set(store.multi_get(arrived)) - answered:
-            store.set(f"ddp/answer/{token.decode()}", str(generation))
-            answered.add(token)
-        if time.monotonic() > deadline:
-            arrived = f"only {joined + 1} of {world_size} processes arrived within {timeout}"
-            raise TimeoutError(arrived)
-        time.sleep(0.01)
+@contextlib.contextmanager
+def stderr_set_aside():
+    """File descriptor 2 on /dev/null for the block (what C++ writes there too), then back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def from_environment(args) -> tuple[int, int, int]:
     """(rank, local rank, world size) as torchrun, torch.distributed.launch (--local-rank) or
-    Slurm's srun sets them; (0, 0, 1) without them: a world of one. A local rank without a GPU of
-    its own is refused in one line."""
-    # srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables
-    ranks_from_slurm(args.port)
+    Slurm's srun (extras/slurm.py) sets them; (0, 0, 1) without them: a world of one. A local
+    rank without a GPU of its own is refused in one line."""
     env = os.environ
     rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", args.local_rank))
@@ -441,31 +433,6 @@ def set_cpu_threads(local_world_size: int) -> None:
     """Processes that share a machine's cores must not each use all of them."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-
-
-def ranks_from_slurm(port: int | None) -> None:
-    """Under srun without torchrun: RANK, WORLD_SIZE and LOCAL_RANK from Slurm's variables, and
-    MASTER_ADDR (the node list's first host) and MASTER_PORT (port, or 29500) unless set."""
-    env = os.environ
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return
-    env.update(
-        RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env["SLURM_LOCALID"]
-    )
-    nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
-    env.setdefault("MASTER_ADDR", slurm_master_addr(nodelist))
-    env.setdefault("MASTER_PORT", str(port or 29500))
-
-
-def slurm_master_addr(nodelist: str) -> str:
-    """First host of a Slurm node list, compressed or not: 'node[01-04],gpu7' -> 'node01'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise UsageError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = match.groups()  # node, 01-04
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def no_buffer_sync_per_forward() -> dict[str, bool]:
@@ -987,7 +954,6 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         args.keep_best_mode = "max"
         if "loss" in args.keep_best:
             args.keep_best_mode = "min"
-    steps_to_profile(args.profile)  # a --profile that names no steps ends here
     # Optional packages are checked before any data or model is built.
     # torch.utils.tensorboard imports tensorboard.
     for flag, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
@@ -1014,11 +980,365 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def steps_to_profile(spec: str | None) -> tuple[int, int] | None:
-    """--profile A:B as (A, B), optimizer steps of this run counted from 1; None without it."""
-    if not spec:
-        return None
-    first, _, last = spec.partition(":")
-    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
-        raise UsageError(f"--profile {spec}: give the first and last step as A:B, 1 <= A <= B")
-    return int(first), int(last)
+# ---- any batch of any task: counted, on the device, forwarded, weighted; each rank's part ----
+
+
+class Counted:
+    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples
+    (pickled to the workers with the collate it holds). What a library refuses in collate
+    (default_collate: samples of two sizes) is one line at the user's line, at the start-up check
+    or mid-epoch, in a worker or not (errors.refused_as_one_line); an error collate raises itself
+    is the user's."""
+
+    def __init__(self, collate: Callable[[list], object]):
+        self.collate = collate
+
+    def __call__(self, samples: list) -> tuple[int, object]:
+        with refused_as_one_line("collate cannot batch its samples", then="; pad them"):
+            return len(samples), self.collate(samples)
+
+
+def forward(model: nn.Module, inputs):
+    """A dict of inputs as keyword arguments, as Hugging Face models take them; anything else as
+    one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def loss_for_backward(loss, samples: int, batch_size: int):
+    """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
+    DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
+    the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
+    as sum x world size / all ranks' count (one small all-reduce, every rank), whatever each rank's
+    count."""
+    if isinstance(loss, torch.Tensor):
+        weight = samples * world_size() / batch_size
+        if weight == 1:
+            return loss
+        return loss * weight
+    total, count = loss
+    count = all_reduce(count_to_device(count, total.device))
+    return total * (world_size() / count.clamp(min=1)).to(total.dtype)
+
+
+def logits(outputs):
+    """The scores in outputs: themselves, or the logits of a dict or a Hugging Face ModelOutput."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("logits")
+    return getattr(outputs, "logits", outputs)
+
+
+def class_indices(outputs, targets) -> bool:
+    """Are targets class indices for scores at outputs' dim 1 (classification, per-pixel
+    classification)?"""
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return False
+    whole_numbers = not (
+        targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
+    )
+    one_score_each = outputs.shape[:1] + outputs.shape[2:] == targets.shape
+    return (
+        outputs.is_floating_point()
+        and whole_numbers
+        and outputs.dim() == targets.dim() + 1
+        and one_score_each
+    )
+
+
+def batch_to_device(
+    batch,
+    device: torch.device,
+    dataset: Dataset,
+    channels_last: bool = False,
+    key: tuple[int, int] | None = None,
+):
+    """(inputs, targets) of any structure on the device. A dataset with a batch_transform(inputs,
+    key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
+    validation one: the built-in images' fast path (builtin); a user's Dataset has none."""
+    inputs, targets = batch
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+    else:
+        # A tokenizer's BatchEncoding goes in as a plain dict.
+        if isinstance(inputs, Mapping):
+            inputs = dict(inputs)
+        inputs, targets = tree_map_only(
+            torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
+        )
+    transform = getattr(dataset, "batch_transform", None)
+    if transform is not None:
+        inputs = transform(inputs, key)
+    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """tensor on device, the host not waiting for the copy: to a GPU from pinned memory (the
+    DataLoader's pin_memory pins a batch already; a tensor made on the host is pinned here)."""
+    if device.type == "cuda" and not tensor.is_cuda and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def count_to_device(count, device: torch.device) -> torch.Tensor:
+    """A count (a Python number, or a tensor anywhere) as a new float64 tensor on device, copied
+    without a wait."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device, torch.float64, non_blocking=True, copy=True)
+    return to_device(torch.tensor(count, dtype=torch.float64), device)
+
+
+def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (which a
+    stream without __len__ needs)."""
+    try:
+        batches = len(loader) // micro_batches
+    except TypeError as e:
+        # A TypeError in the stream's own __len__ is the user's error.
+        if not raised_in(e, *OURS):
+            raise
+        # A stream without __len__: an epoch is one pass, cut at N steps.
+        if not args.steps_per_epoch:
+            raise UsageError(
+                "the training set is a stream without __len__: give --steps-per-epoch N, the "
+                "optimizer steps of an epoch"
+            ) from None
+        batches = args.steps_per_epoch
+    if args.steps_per_epoch:
+        return min(batches, args.steps_per_epoch)
+    return batches
+
+
+def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
+    """The loader for this epoch (call its sampler's set_epoch first): a dataset with set_epoch is
+    told the epoch (the built-in image folder draws its crops from it); continued mid-epoch,
+    without its first skip batches."""
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+    if not skip:
+        return loader
+    # The indices after them in this epoch's order; a stream's batches are read again, not
+    # collated.
+    rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
+    return DataLoader(
+        loader.dataset,
+        loader.batch_size,
+        sampler=rest,
+        drop_last=loader.drop_last,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        generator=loader.generator,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+    )
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
+    spare batch."""
+    # A stream's sampler (streams.StreamSampler) reads them from the stream.
+    if hasattr(loader.sampler, "first"):
+        return loader.sampler.first(n)
+    # A share of nothing (a validation sampler with no index) takes the first of the set.
+    indices = loader.sampler or range(len(loader.dataset))
+    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
+    if hasattr(loader.dataset, "first_drawn"):
+        return loader.dataset.first_drawn(indices, n)
+    return [loader.dataset[i] for i in itertools.islice(indices, n)]
+
+
+def samples_in_step(sampler, step: int, batch_size: int) -> int:
+    """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew
+    (samplers.DrawnShares says)."""
+    if hasattr(sampler, "samples_in_step"):
+        return sampler.samples_in_step(step)
+    return batch_size
+
+
+class ValidationShares(Sampler):
+    """Validation's batches of this rank's samples (indices: range(rank, len(val_set), W), every
+    sample once): its share of each global batch of batch_size in the set's order, so that a loss
+    over the whole batch (batches.whole_batch) sees one process's batches. A last batch of fewer
+    samples than ranks joins the one before it: every rank has the same number of batches (but
+    for a set of fewer samples than ranks)."""
+
+    def __init__(self, indices: range, batch_size: int):
+        self.indices = indices
+        self.starts = list(range(0, indices.stop, batch_size))
+        if len(self.starts) > 1 and indices.stop - self.starts[-1] < indices.step:
+            self.starts.pop()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __iter__(self):
+        first, end, step = self.indices.start, self.indices.stop, self.indices.step
+        for start, stop in zip(self.starts, [*self.starts[1:], end]):
+            share = list(range(start + (first - start) % step, stop, step))
+            if share:  # a set of fewer samples than ranks: none for the last ranks
+                yield share
+
+
+# ---- every random draw from the seed and where it is drawn ----
+
+
+def derive(*keys) -> int:
+    """A seed of 63 bits from keys (whole numbers or strings): far apart for keys that differ by
+    one, as torch, random and NumPy each want."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_data_streams(seed: int) -> None:
+    """torch's, Python's and (where imported) NumPy's global random streams, from seed."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def drawn_from(seed: int, *where):
+    """with drawn_from(seed, *where): the block's draws from the global streams come from (seed,
+    *where) alone. In a rank's own process (no DataLoader worker) torch's stream is given back
+    afterwards: it is the model's (dropout)."""
+    kept = None
+    if get_worker_info() is None:
+        kept = torch.default_generator.get_state()
+    seed_data_streams(derive(seed, *where))
+    try:
+        yield
+    finally:
+        if kept is not None:
+            torch.default_generator.set_state(kept)
+
+
+def seed_step(seed: int, epoch: int, step: int) -> None:
+    """Before a step's forward: this rank's own random streams inside the model (dropout,
+    stochastic depth), on the CPU and every GPU (DataParallel's replicas each their own), from
+    (seed, rank, epoch, step), so that ranks draw independently and a run continued at any step
+    draws what a straight one does. Python's and NumPy's global streams too: what the samples read
+    in this process before (their own seeds) is given back to the step's code. No GPU work: a
+    generator's seed is set on the host."""
+    step_seed = derive(seed, "model", rank(), epoch, step)
+    seed_data_streams(step_seed)
+    if torch.cuda.is_initialized():
+        for device, generator in enumerate(torch.cuda.default_generators):
+            generator.manual_seed(derive(step_seed, device))
+
+
+# ---- files written whole; what ends a run that went wrong ----
+
+
+def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
+    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the
+    previous file and no temporary file; a failed write is an OSError that names path. A watchdog
+    given (stalls.Watchdog) takes the temporary file's growth for progress."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    saving = contextlib.nullcontext()
+    if watchdog is not None:
+        saving = watchdog.writing(path, tmp)
+    try:
+        with saving, open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        # torch.save's zip writer fails again, at its end of file, after a failed write: that
+        # write's error is why.
+        error = e
+        if isinstance(e, RuntimeError):
+            error = e.__context__
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from None
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """A JSON line, whole or not at all, for a continued run."""
+    line = (json.dumps(record) + "\n").encode()
+    # One write; what fitted of it, where the disk is full, is cut off again.
+    with open(path, "ab", buffering=0) as f:
+        size = f.tell()
+        try:
+            if f.write(line) < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            f.truncate(size)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
+    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save
+    shows or keeps it."""
+    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
+    finite = all(math.isfinite(value) for value in losses)
+    if finite and model is not None:
+        finite = all(local_shard(p).isfinite().all() for p in model.parameters())
+    if finite:
+        return
+    where = f"in epoch {epoch}"
+    if step:
+        where = f"by step {step} of epoch {epoch + 1}"
+    clip = ""
+    if not args.clip_grad:
+        clip = ", or use --clip-grad"
+    raise UsageError(
+        f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr"
+        f" (peak {args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite"
+        " checkpoints were saved"
+    )
+
+
+def describe_value(value) -> str:
+    """A tensor's shape, a tuple's or list's length, or the type."""
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+# ---- models trained together (a GAN's), each in its own DDP ----
+
+
+class TrainedTogether(nn.ModuleDict):
+    """Models trained together, by name (a GAN's generator and discriminator), as build_model
+    returns them: each in its own DDP, with its own optimizer and schedule, run.model["generator"];
+    its forward (a subclass's) is what validation and the start-up check call."""
+
+
+class Wrapped(nn.ModuleDict):
+    """Models trained together (TrainedTogether), each in its own wrapper, wrap(part, **options)
+    (its own DDP): run.model["generator"]. Its module, which unwrap() gives, is the ModuleDict as
+    built: what validation calls, what the checkpoints save."""
+
+    def __init__(self, models: nn.ModuleDict, wrap: Callable[..., nn.Module], **options):
+        super().__init__({name: wrap(part, **options) for name, part in models.items()})
+        self.__dict__["module"] = models  # not a submodule: its weights are the parts' own
+
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        for part in self.values():
+            part.register_comm_hook(state, hook)
+
+    def train(self, mode: bool = True) -> Wrapped:
+        self.module.train(mode)  # the ModuleDict as built too, whose forward validation calls
+        return super().train(mode)
+
+
+def each(model: nn.Module, wrap: Callable[..., nn.Module], **options) -> nn.Module:
+    """wrap(model, **options); models trained together (Wrapped): each part so, in its place."""
+    if not isinstance(model, Wrapped):
+        return wrap(model, **options)
+    for name, part in list(model.items()):
+        model[name] = wrap(part, **options)
+    return model

@@ -2,6 +2,9 @@
 where it uses it. Importing one changes nothing of the process (no environment variable, no
 warnings filter). In the order a reader of distributed.py meets them:
 
+- slurm: srun without torchrun, the ranks and the rendezvous address from Slurm's variables;
+- elastic: a process group under torchrun, met in a part of its store no earlier group wrote to
+  (its workers restarted, nodes that join);
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
 - seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
@@ -13,7 +16,6 @@ warnings filter). In the order a reader of distributed.py meets them:
   over the whole global batch (whole_batch), over a step's micro-batches (Joined);
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
-- together: models trained together (a GAN's), each in its own DDP;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
 - loops: what happens around each training step, whatever the step does (EpochSteps);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
@@ -26,7 +28,6 @@ warnings filter). In the order a reader of distributed.py meets them:
 - sinks: TensorBoard and Weights & Biases, fed the same records;
 - checkpoints: files written whole (in the background: Saves; FSDP's shards too), checkpoints
   read by rank 0 and sent to all, restore, a tied parameter saved once;
-- internals: every private name of PyTorch the folder reaches, in one place;
 - builtin: the demo data and models (--dataset, --arch), which a user's own functions replace;
 - images: an image folder with torchvision's recipe, each JPEG decoded no larger than its crop.
 """

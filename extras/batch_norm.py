@@ -5,7 +5,6 @@ puts a model's back after a forward that must not move them."""
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -100,14 +99,3 @@ def convert_to_global(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         module.add_module(name, convert_to_global(child))
     return module
-
-
-@contextlib.contextmanager
-def statistics_kept(model: nn.Module):
-    """The block's forwards leave the model's batch-norm statistics (all its buffers) as they were:
-    a step that is undone, a forward that the step runs again."""
-    saved = [buffer.clone() for buffer in model.buffers()]
-    yield
-    with torch.no_grad():
-        for buffer, kept in zip(model.buffers(), saved):
-            buffer.copy_(kept)

@@ -2,11 +2,9 @@
 you replace them: --dataset (CIFAR-10/100, an image folder, fake images) and --arch (tiny, or any
 torchvision classifier). A user whose own functions replace those bodies needs nothing here. The
 images come as uint8 and carry a batch_transform that finishes them a batch at a time on the
-device (batches.batch_to_device calls it): CIFAR's and fake images are cropped, flipped and
-normalised there; an image folder's are cropped and flipped where they are decoded, each JPEG no
-larger than its crop needs (images.py), and normalised there. A user's own Dataset never goes
-through it. torchvision is imported where a flag needs it (a torchvision model, CIFAR, an image
-folder).
+device (utils.batch_to_device calls it): CIFAR's and fake images are cropped, flipped and
+normalised there (an image folder: images.py). A user's own Dataset never goes through it.
+torchvision is imported where a flag needs it (a torchvision model, CIFAR).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -22,27 +19,16 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset, TensorDataset
 
-from .batches import to_device
-from utils import UsageError, first_line
-from utils import errors_shared_by_all_ranks, rank, world_size
+from utils import UsageError, errors_shared_by_all_ranks, first_line, rank, to_device, world_size
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FAKE_CLASSES = 10
 FAKE_VAL_FRACTION = 5  # fake validation set = fake_size // 5 images
 
 
 def datasets(args) -> tuple[Dataset, Dataset, int]:
-    """(train, val, classes) for --dataset: uint8 images with a batch_transform for the device."""
-    if args.dataset == "imagefolder":
-        # torchvision is imported where a flag needs it: a tiny model on fake data starts sooner
-        from .images import image_folders
-
-        train, val = image_folders(Path(args.data_dir), args.image_size, args.seed, args.no_augment)
-        # cropped and flipped where they were decoded: normalised on the device
-        for split in (train, val):
-            split.batch_transform = ImageBatchTransform(args.seed, 0, IMAGENET_MEAN, IMAGENET_STD)
-        return train, val, len(train.classes)
+    """(train, val, classes) for --dataset cifar10, cifar100 or fake: uint8 images with a
+    batch_transform for the device (an image folder: images.datasets)."""
     if args.dataset == "fake":
         train = fake_images(args.fake_size, args.image_size, "train")
         val = fake_images(max(1, args.fake_size // FAKE_VAL_FRACTION), args.image_size, "val")

@@ -6,9 +6,6 @@ tied_once); metrics.jsonl's lines; a Hugging Face model's save_pretrained.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import functools
 import logging
 import os
@@ -21,10 +18,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils import UsageError, first_line
-from .internals import dtensor_of, tree_flatten, tree_map_only, tree_unflatten
-from utils import errors_shared_by_all_ranks, local_ranks, local_shard
-from utils import cpu_group, world_size
+from utils import (
+    UsageError,
+    cpu_group,
+    errors_shared_by_all_ranks,
+    first_line,
+    local_ranks,
+    local_shard,
+    tree_flatten,
+    tree_map_only,
+    tree_unflatten,
+    world_size,
+    write_atomically,
+)
 
 log = logging.getLogger("train")
 
@@ -46,12 +52,9 @@ class Saves:
     file stays. Leaving the block waits for what is being written (an error ends the run: the
     newest checkpoint is kept whole)."""
 
-    current: Saves | None = None  # the run's: a record that finds the disk full waits for it
-
     def __init__(self, stop=None):
         """stop: the run's StopSignal, told of each write that failed (every rank ends with its line
         at the next step)."""
-        Saves.current = self
         if stop is not None:
             stop.watch(self)
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
@@ -164,35 +167,6 @@ def in_place_of(tensor: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "to_local"):
         return dtensor_of(copy, tensor)
     return copy
-
-
-def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
-    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the
-    previous file and no temporary file; a failed write is an OSError that names path. A watchdog
-    given (stalls.Watchdog) takes the temporary file's growth for progress."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    saving = contextlib.nullcontext()
-    if watchdog is not None:
-        saving = watchdog.writing(path, tmp)
-    try:
-        with saving, open(tmp, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        tmp.unlink(missing_ok=True)
-        # torch.save's zip writer fails again, at its end of file, after a failed write: that
-        # write's error is why.
-        error = e
-        if isinstance(e, RuntimeError):
-            error = e.__context__
-        if not isinstance(error, OSError):
-            raise
-        raise OSError(error.errno, error.strerror, str(path)) from None
 
 
 def load_checkpoint_everywhere(path: Path, rank: int) -> dict | None:
@@ -325,23 +299,6 @@ def save_pretrained(model: nn.Module, directory: Path, watchdog, state: dict | N
     os.replace(new, directory)
 
 
-def append_metrics(path: Path, record: dict) -> None:
-    """A JSON line, whole or not at all, for a continued run."""
-    line = (json.dumps(record) + "\n").encode()
-    # One write; what fitted of it, where the disk is full, is cut off again.
-    with open(path, "ab", buffering=0) as f:
-        size = f.tell()
-        try:
-            if f.write(line) < len(line):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError as e:
-            f.truncate(size)
-            # a checkpoint written meanwhile that filled the disk is the cause: its file named
-            if e.errno == errno.ENOSPC and Saves.current is not None:
-                Saves.current.wait()
-            raise OSError(e.errno, e.strerror, str(path)) from None
-
-
 # Where the memory cgroups are mounted (version 2 here, version 1 under memory/).
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -407,3 +364,10 @@ def gather_on_rank_0(obj) -> list | None:
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu()
+
+
+def dtensor_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor of local (a host copy of like's shard) with like's placement on like's mesh: what
+    DCP's own staging for async_save builds, for dcp.save to write. DTensor.from_local would move
+    it to the mesh's device."""
+    return type(like)(local, like._spec, requires_grad=False)

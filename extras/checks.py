@@ -5,7 +5,7 @@ weights before anything is saved.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import pickle
 import tempfile
 from collections.abc import Callable
@@ -16,36 +16,20 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from .batch_norm import statistics_kept
-from .batches import WholeBatch, batch_to_device, first_samples, forward
-from .samplers import Batches
-from .seeds import SampleSeeds
-from utils import UsageError, first_line, refused_as_one_line
-from .internals import tree_flatten
-from utils import errors_shared_by_all_ranks, local_shard, log, world_size
-from .together import TrainedTogether
-
-
-def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
-    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save
-    shows or keeps it."""
-    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
-    finite = all(math.isfinite(value) for value in losses)
-    if finite and model is not None:
-        finite = all(local_shard(p).isfinite().all() for p in model.parameters())
-    if finite:
-        return
-    where = f"in epoch {epoch}"
-    if step:
-        where = f"by step {step} of epoch {epoch + 1}"
-    clip = ""
-    if not args.clip_grad:
-        clip = ", or use --clip-grad"
-    raise UsageError(
-        f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr"
-        f" (peak {args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite"
-        " checkpoints were saved"
-    )
+from utils import (
+    TrainedTogether,
+    UsageError,
+    batch_to_device,
+    describe_value,
+    errors_shared_by_all_ranks,
+    first_line,
+    first_samples,
+    forward,
+    log,
+    refused_as_one_line,
+    tree_flatten,
+    world_size,
+)
 
 
 class ModelFlops(FlopCounterMode):
@@ -90,7 +74,7 @@ def dataset_length(dataset) -> int | None:
 def returned_model(model, together: bool = False) -> nn.Module:
     """build_model's module, which must be one with a parameter to train: one line, not a
     traceback at .to() or at the first backward. Models trained together (a GAN's generator and
-    discriminator: together.TrainedTogether), each its own DDP, where the script takes them."""
+    discriminator: utils.TrainedTogether), each its own DDP, where the script takes them."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"build_model must return an nn.Module, not {describe_value(model)}")
     if isinstance(model, TrainedTogether):
@@ -109,7 +93,7 @@ def check_trained_together(model: TrainedTogether, together: bool) -> None:
     name = type(model).__name__
     if not together:
         raise UsageError(
-            f"build_model's {name} is models trained together (together.TrainedTogether):"
+            f"build_model's {name} is models trained together (utils.TrainedTogether):"
             " distributed.py, distributed_mp.py and distributed_amp.py train each in its own DDP;"
             " this script trains one model"
         )
@@ -207,9 +191,10 @@ def check_draws_reach(dataset) -> None:
     """A Dataset whose first sample, read twice from the same seeds, differs keeps random state
     that neither the global streams nor the generators found in it reach (a generator in a closure,
     a library's own in C): one line naming it, not a run whose ranks and workers draw apart."""
-    if isinstance(dataset, Batches):
-        dataset = dataset.dataset
-    if not isinstance(dataset, SampleSeeds) or len(dataset) == 0:
+    # read through a user's sampler's sets (samplers.Batches); seeded per sample: seeds.SampleSeeds
+    if not hasattr(type(dataset), "read_again"):
+        dataset = getattr(dataset, "dataset", None)
+    if not hasattr(type(dataset), "read_again") or len(dataset) == 0:
         return
     if not alike(dataset.read(0), dataset.read(0)):
         name = type(dataset.dataset).__name__
@@ -284,15 +269,6 @@ def check_workers_can_take(loader: DataLoader) -> None:
         ) from None
 
 
-def describe_value(value) -> str:
-    """A tensor's shape, a tuple's or list's length, or the type."""
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of {len(value)}"
-    return type(value).__name__
-
-
 def check_loss(loss) -> None:
     """compute_loss gives a scalar (the batch's mean) or a pair (a scalar sum, its count)."""
     pair = isinstance(loss, (tuple, list)) and len(loss) == 2
@@ -322,7 +298,8 @@ def say_what_the_split_changes(model: nn.Module, args, outputs, loss, samples: i
     of DiLoCo's local steps, each rank's own by design), batch norm in training without --sync-bn
     where the script has it."""
     diloco = hasattr(args, "outer_lr")
-    if not diloco and WholeBatch.calls == 0 and loss_couples_samples(outputs, loss, samples):
+    whole = gathers_whole_batch(loss)
+    if not diloco and not whole and loss_couples_samples(outputs, loss, samples):
         log.info(
             "compute_loss couples the samples of a batch (one sample's gradient depends on"
             " another's outputs): each rank computes it over its own part, another objective on"
@@ -343,6 +320,21 @@ def say_what_the_split_changes(model: nn.Module, args, outputs, loss, samples: i
             f"batch norm ({len(norms)} layers, {norms[0]} first) normalises each rank's part of the"
             f" batch: its statistics change with the number of processes{cure}"
         )
+
+
+def gathers_whole_batch(loss) -> bool:
+    """Does the loss's graph hold batches.whole_batch's all-gather (its backward's node)?"""
+    total = loss[0] if isinstance(loss, (tuple, list)) else loss
+    nodes, seen = [total.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == "WholeBatchBackward":
+            return True
+        seen.add(node)
+        nodes.extend(after for after, _ in node.next_functions)
+    return False
 
 
 def loss_couples_samples(outputs, loss, samples: int) -> bool:
@@ -429,3 +421,14 @@ def check_keep_best(args, metric_names: list[str], num_classes: int) -> None:
     raise UsageError(
         f"--keep-best {args.keep_best}: no validation records it; it records {', '.join(names)}"
     )
+
+
+@contextlib.contextmanager
+def statistics_kept(model: nn.Module):
+    """The block's forwards leave the model's batch-norm statistics (all its buffers) as they were:
+    a step that is undone, a forward that the step runs again."""
+    saved = [buffer.clone() for buffer in model.buffers()]
+    yield
+    with torch.no_grad():
+        for buffer, kept in zip(model.buffers(), saved):
+            buffer.copy_(kept)

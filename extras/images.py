@@ -1,7 +1,8 @@
 """An image folder (--dataset imagefolder: DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*) with
 the recipe torchvision's classifiers are trained with: ImageFiles, torchvision's ImageFolder whose
 JPEGs are decoded no larger than their crop needs, each crop drawn from (seed, epoch, index).
-builtin imports it where the flag asks for it, so that a run without it never loads torchvision.
+The scripts' build_datasets imports it where the flag asks for it, so that a run without it never
+loads torchvision.
 """
 
 from __future__ import annotations
@@ -18,8 +19,30 @@ from torch.utils.data import Dataset
 
 from utils import UsageError, first_line
 
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # what --dataset imagefolder reads: torchvision's ImageFolder's extensions
 IMAGE_EXTENSIONS = torchvision.datasets.folder.IMG_EXTENSIONS
+
+
+def datasets(args) -> tuple[Dataset, Dataset, int]:
+    """(train, val, classes) of --dataset imagefolder: uint8 crops, normalised on the device."""
+    train, val = image_folders(Path(args.data_dir), args.image_size, args.seed, args.no_augment)
+    for split in (train, val):
+        split.batch_transform = Normalized(IMAGENET_MEAN, IMAGENET_STD)
+    return train, val, len(train.classes)
+
+
+class Normalized:
+    """uint8 images normalised by mean and std, a batch at a time on the device (utils.
+    batch_to_device calls it); their crops and flips were drawn where they were decoded."""
+
+    def __init__(self, mean: tuple, std: tuple):
+        self.mean, self.std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (mean, std))
+
+    def __call__(self, images: torch.Tensor, key: tuple[int, int] | None = None) -> torch.Tensor:
+        if self.mean.device != images.device:  # moved once, not every step
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        return (images.float() - self.mean) / self.std
 
 
 def image_folders(

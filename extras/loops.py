@@ -9,12 +9,16 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from .batches import batch_to_device, epoch_loader
-from .checks import describe_value
-from utils import Stopped, UsageError
-from utils import errors_shared_by_all_ranks
-from .samplers import samples_in_step
-from .seeds import seed_step
+from utils import (
+    Stopped,
+    UsageError,
+    batch_to_device,
+    describe_value,
+    epoch_loader,
+    errors_shared_by_all_ranks,
+    samples_in_step,
+    seed_step,
+)
 
 
 class EpochSteps:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import datetime
 import json
 import logging
@@ -20,20 +21,22 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .batches import class_indices, count_to_device, logits
-from .checkpoints import append_metrics, write_atomically
-from .checks import check_finite, describe_value
-from utils import UsageError
-from .profiles import DATA, FORWARD, StepPhases, slow_line
 from utils import (
+    UsageError,
     all_gather_objects,
     all_reduce,
+    append_metrics,
+    check_finite,
+    class_indices,
+    count_to_device,
+    describe_value,
     errors_shared_by_all_ranks,
     local_shard,
+    logits,
     rank,
     world_size,
+    write_atomically,
 )
-from .sinks import TensorBoardSink, WandbSink
 
 log = logging.getLogger("train")
 
@@ -99,7 +102,7 @@ class Meter:
         device: torch.device,
         saved: dict | None = None,
         rank: int = 0,
-        phases: StepPhases | None = None,
+        phases=None,
         top5: bool = False,
     ):
         # Continued mid-epoch, rank 0 holds what all ranks had summed at the checkpoint, and what
@@ -132,8 +135,8 @@ class Meter:
         self.marked_sums = self.before
         # Seconds not spent training (paused: a mid-epoch validation, a save), and at that record.
         self.aside = self.aside_marked = 0.0
-        # Each step's phases on this rank (training's; a validation meter's are never read).
-        self.phases = phases or StepPhases(torch.device("cpu"))
+        # Each step's phases on this rank (profiles.StepPhases: training's), or none timed.
+        self.phases = phases or NoPhases()
         # Whether the targets among the top 5 scores are counted too (a validation's).
         self.top5 = top5
         # The steps' other losses (a GAN's generator loss), each its sum over the samples since
@@ -346,10 +349,27 @@ class Meter:
         asked = time.perf_counter()
         for item in iterable:
             self.data_wait += time.perf_counter() - asked
-            self.phases.enter(FORWARD)
+            self.phases.batch_arrived()
             yield item
-            self.phases.enter(DATA)
+            self.phases.batch_asked()
             asked = time.perf_counter()
+
+
+class NoPhases:
+    """A step's phases where none are timed (profiles.StepPhases times them): none to record."""
+
+    def begin(self) -> None:
+        pass
+
+    pause = batch_arrived = batch_asked = begin
+
+    def read(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64)
+
+    epoch_read = read
+
+    def summary(self, table: torch.Tensor) -> dict:
+        return {}
 
 
 class StepRecords:
@@ -357,9 +377,13 @@ class StepRecords:
     steps; a continued run's records go on as if it had never stopped. Every rank builds it (its
     W&B run id is gathered from all)."""
 
-    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int, phases: StepPhases):
+    def __init__(
+        self, output_dir: Path, args, rank: int, steps_per_epoch: int, phases=None, saves=None
+    ):
         self.path = output_dir / "steps.jsonl"
         self.phases = phases
+        # checkpoints.Saves: a record that finds the disk full waits for the checkpoint written
+        self.saves = saves
         self.args = args
         self.rank = rank
         self.steps_per_epoch = steps_per_epoch
@@ -449,14 +473,8 @@ class StepRecords:
                 # Written anew whole: a full disk loses none.
                 text = "".join(line + "\n" for line in kept_lines)
                 write_atomically(path, text.encode())
-        if self.args.tensorboard:
-            first_step = last["global_step"] + 1
-            self.sinks.append(TensorBoardSink(self.path.with_name("tensorboard"), first_step))
-        if self.args.wandb:
-            config = vars(self.args)
-            wandb = WandbSink(self.args.wandb, self.saved["wandb_id"], config, self.path.parent)
-            wandb.replay(kept["global_step"], kept["epoch"], self.steps_per_epoch)
-            self.sinks.append(wandb)
+        # what a sink replays (sinks.started)
+        self.last, self.kept = last, kept
 
     def train(
         self,
@@ -499,14 +517,24 @@ class StepRecords:
             # One writer: the numbers are all ranks' already (the others log warnings only).
             if self.rank == 0:
                 record = dict(epoch=epoch + 1, step=step, global_step=global_step, **values)
-                append_metrics(self.path, record)
+                self.append(self.path, record)
                 for sink in self.sinks:
                     sink.log_step(values, global_step)
+
+    def append(self, path: Path, record: dict) -> None:
+        """record in path (steps.jsonl, metrics.jsonl), whole or not at all."""
+        try:
+            append_metrics(path, record)
+        except OSError as e:
+            # a checkpoint written meanwhile that filled the disk is the cause: its file named
+            if e.errno == errno.ENOSPC and self.saves is not None:
+                self.saves.wait()
+            raise
 
     def epoch(self, record: dict) -> None:
         """On rank 0: the epoch's line in metrics.jsonl (whole or not at all), in the sinks at its
         last step, then printed."""
-        append_metrics(self.path.with_name("metrics.jsonl"), record)
+        self.append(self.path.with_name("metrics.jsonl"), record)
         for sink in self.sinks:
             sink.log_epoch(record, record["epoch"] * self.steps_per_epoch)
         first = ("train_loss", "train_acc", "val_loss", "val_acc", "val_acc_ema")
@@ -576,4 +604,15 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
         params_mb=megabytes(params),
         grads_mb=megabytes(p for p in params if p.requires_grad),
         optimizer_mb=megabytes(state),
+    )
+
+
+def slow_line(record: dict) -> str:
+    """The slow rank of a record in words, or nothing."""
+    slow = record.get("slow")
+    if not slow:
+        return ""
+    return (
+        f"; rank {slow['rank']} slow: {slow['phase']} {slow['ms']:.1f} ms a step against a"
+        f" median of {slow['median_ms']:.1f} ms"
     )

@@ -11,8 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from utils import local_shard, unwrap
-from .together import Wrapped
+from utils import Wrapped, local_shard, unwrap
 
 
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer | Each:

@@ -22,9 +22,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch.profiler import profile
 
-from utils import steps_to_profile
-from .internals import tree_flatten
-from .together import Wrapped
+from utils import UsageError, Wrapped, tree_flatten
 
 log = logging.getLogger("train")
 
@@ -145,6 +143,14 @@ class StepPhases:
         self.phase, self.since = phase, now
         self.tell(phase)
 
+    def batch_arrived(self) -> None:
+        """The step's batch is here (metrics.Meter.timed): its forward begins."""
+        self.enter(FORWARD)
+
+    def batch_asked(self) -> None:
+        """The next batch is asked for (metrics.Meter.timed)."""
+        self.enter(DATA)
+
     def tell(self, phase: int | None) -> None:
         for watcher in self.watchers:
             watcher(phase)
@@ -223,17 +229,6 @@ class StepPhases:
         return dict(phase_ms=phase_ms, slow=slow)
 
 
-def slow_line(record: dict) -> str:
-    """The slow rank of a record in words, or nothing."""
-    slow = record.get("slow")
-    if not slow:
-        return ""
-    return (
-        f"; rank {slow['rank']} slow: {slow['phase']} {slow['ms']:.1f} ms a step against a"
-        f" median of {slow['median_ms']:.1f} ms"
-    )
-
-
 class StepProfiler(contextlib.AbstractContextManager):
     """With --profile A:B, the step's phases (StepPhases) as ranges of the same names: the profiler
     starts before step A's data and stops after step B's optimizer step, writing this rank's
@@ -296,3 +291,13 @@ class StepProfiler(contextlib.AbstractContextManager):
             f"profile of steps {self.steps[0]}-{self.steps[1]}: {self.path.parent}/rank*.json, one"
             " a rank (open in https://ui.perfetto.dev, or with Holistic Trace Analysis)"
         )
+
+
+def steps_to_profile(spec: str | None) -> tuple[int, int] | None:
+    """--profile A:B as (A, B), optimizer steps of this run counted from 1; None without it."""
+    if not spec:
+        return None
+    first, _, last = spec.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise UsageError(f"--profile {spec}: give the first and last step as A:B, 1 <= A <= B")
+    return int(first), int(last)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import operator
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
-from utils import UsageError
-from utils import all_gather_objects
-from .seeds import SampleSeeds, derive, drawn_from
+from utils import UsageError, all_gather_objects, derive, drawn_from
 
 
 class DrawnShares(Sampler):
@@ -132,17 +131,10 @@ class DrawnShares(Sampler):
             )
 
 
-def samples_in_step(sampler, step: int, batch_size: int) -> int:
-    """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew."""
-    if isinstance(sampler, DrawnShares):
-        return sampler.samples_in_step(step)
-    return batch_size
-
-
 class Batches(Dataset):
     """A dataset read a list of (index, repeat) at a time: this rank's share of a global batch,
     which the loader's collate makes one batch; a sample drawn again in the epoch is read as its
-    repeat (SampleSeeds.read). Other attributes are the dataset's own."""
+    repeat (seeds.SampleSeeds.read_again). Other attributes are the dataset's own."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -160,9 +152,15 @@ class Batches(Dataset):
                 f"build_sampler drew index {index}, outside the training set's"
                 f" {len(self.dataset)} samples: draw from range(len(train_set))"
             )
-        if repeat and isinstance(self.dataset, SampleSeeds):
-            return self.dataset.read(index, repeat)
+        # a repeat read anew where the samples draw from their place (seeds.SampleSeeds)
+        if repeat and hasattr(self.dataset, "read_again"):
+            return self.dataset.read_again(index, repeat)
         return self.dataset[index]
+
+    def first_drawn(self, shares, n: int) -> list:
+        """The first n samples of shares, lists of (index, repeat)."""
+        drawn = itertools.chain.from_iterable(shares)
+        return [self.read(index, repeat) for index, repeat in itertools.islice(drawn, n)]
 
     def __getattr__(self, name: str):
         # Dunder names stay ours; "dataset" is not yet set while a worker unpickles this.
@@ -202,27 +200,3 @@ def check_not_a_stream(sampler, train_set) -> None:
             " (an IterableDataset), which has no indices to sample: return None, or a map-style"
             " Dataset"
         )
-
-
-class ValidationShares(Sampler):
-    """Validation's batches of this rank's samples (indices: range(rank, len(val_set), W), every
-    sample once): its share of each global batch of batch_size in the set's order, so that a loss
-    over the whole batch (batches.whole_batch) sees one process's batches. A last batch of fewer
-    samples than ranks joins the one before it: every rank has the same number of batches (but
-    for a set of fewer samples than ranks)."""
-
-    def __init__(self, indices: range, batch_size: int):
-        self.indices = indices
-        self.starts = list(range(0, indices.stop, batch_size))
-        if len(self.starts) > 1 and indices.stop - self.starts[-1] < indices.step:
-            self.starts.pop()
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __iter__(self):
-        first, end, step = self.indices.start, self.indices.stop, self.indices.step
-        for start, stop in zip(self.starts, [*self.starts[1:], end]):
-            share = list(range(start + (first - start) % step, stop, step))
-            if share:  # a set of fewer samples than ranks: none for the last ranks
-                yield share

@@ -10,9 +10,7 @@ import warnings
 
 import torch
 
-from .batches import logits
-from utils import UsageError
-from utils import all_gather_objects
+from utils import UsageError, all_gather_objects, logits
 
 
 class UserMetrics:

@@ -10,9 +10,8 @@ itself reseeded per sample (own_generators); a collate's draws from its batch's 
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import hashlib
+import collections
 import itertools
 import operator
 import pickle
@@ -21,43 +20,9 @@ import sys
 import types
 
 import torch
-from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, get_worker_info
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset
 
-from utils import rank
-
-
-def derive(*keys) -> int:
-    """A seed of 63 bits from keys (whole numbers or strings): far apart for keys that differ by
-    one, as torch, random and NumPy each want."""
-    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def seed_data_streams(seed: int) -> None:
-    """torch's, Python's and (where imported) NumPy's global random streams, from seed."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
-
-
-@contextlib.contextmanager
-def drawn_from(seed: int, *where, generators: list = ()):
-    """with drawn_from(seed, *where): the block's draws come from (seed, *where) alone, from the
-    global streams and from generators (a dataset's own). In a rank's own process (no DataLoader
-    worker) torch's stream is given back afterwards: it is the model's (dropout)."""
-    kept = None
-    if get_worker_info() is None:
-        kept = torch.default_generator.get_state()
-    seed_data_streams(derive(seed, *where))
-    if generators:
-        seed_generators(generators, derive(seed, "own", *where))
-    try:
-        yield
-    finally:
-        if kept is not None:
-            torch.default_generator.set_state(kept)
+from utils import derive, drawn_from
 
 
 class SampleSeeds(Dataset):
@@ -92,7 +57,7 @@ class SampleSeeds(Dataset):
         where = (int(self.epoch), operator.index(index))
         if repeat:
             where += (repeat,)
-        with drawn_from(self.seed, *where, generators=self.generators):
+        with drawn_with(self.seed, *where, generators=self.generators):
             sample = self.dataset[index]
         # where the collate that follows in this process draws from (SeededCollate)
         self.last_drawn = where
@@ -110,10 +75,14 @@ class SampleSeeds(Dataset):
         self.last_drawn = (int(self.epoch), operator.index(indices[-1]))
         return samples
 
+    def read_again(self, index, repeat: int):
+        """The sample at index drawn a repeat-th time in the epoch (samplers.Batches reads it)."""
+        return self.read(index, repeat)
+
     def draws(self, index) -> bool:
         """Does reading the sample at index draw from a global stream or a generator the dataset
         keeps? (Read from its seeds: torch's stream, the model's, is given back.)"""
-        with drawn_from(self.seed, "draws", generators=self.generators):
+        with drawn_with(self.seed, "draws", generators=self.generators):
             before = stream_states(self.generators)
             self.dataset[index]
             return stream_states(self.generators) != before
@@ -226,22 +195,6 @@ def stream_states(generators: list) -> bytes:
     return pickle.dumps(states)
 
 
-def seed_generators(generators: list, seed: int) -> None:
-    """Each generator reseeded in place from (seed, its place): whoever holds it draws anew."""
-    numpy = sys.modules.get("numpy")
-    for place, generator in enumerate(generators):
-        own = derive(seed, place)
-        if isinstance(generator, torch.Generator):
-            generator.manual_seed(own)
-        elif isinstance(generator, random.Random):
-            generator.seed(own)
-        elif isinstance(generator, numpy.random.Generator):
-            bits = generator.bit_generator
-            bits.state = type(bits)(own).state
-        else:  # a NumPy RandomState
-            generator.seed(own % 2**32)
-
-
 def per_sample(dataset: Dataset, seed: int) -> Dataset:
     """dataset read with each sample's random streams seeded from (seed, epoch, index); as it is
     where it seeds itself (seeds_itself = True: the built-in images draw from their index) or is a
@@ -259,26 +212,12 @@ def sample_streams(reader, seed: int, *where):
     samples = iter(reader)
     count = 0
     while True:
-        with drawn_from(seed, *where, count, generators=generators):
+        with drawn_with(seed, *where, count, generators=generators):
             sample = next(samples, samples)
         if sample is samples:
             return
         yield sample
         count += 1
-
-
-def seed_step(seed: int, epoch: int, step: int) -> None:
-    """Before a step's forward: this rank's own random streams inside the model (dropout,
-    stochastic depth), on the CPU and every GPU (DataParallel's replicas each their own), from
-    (seed, rank, epoch, step), so that ranks draw independently and a run continued at any step
-    draws what a straight one does. Python's and NumPy's global streams too: what the samples read
-    in this process before (their own seeds) is given back to the step's code. No GPU work: a
-    generator's seed is set on the host."""
-    step_seed = derive(seed, "model", rank(), epoch, step)
-    seed_data_streams(step_seed)
-    if torch.cuda.is_initialized():
-        for device, generator in enumerate(torch.cuda.default_generators):
-            generator.manual_seed(derive(step_seed, device))
 
 
 def model_streams() -> tuple:
@@ -302,3 +241,29 @@ def loader_generator(seed: int, rank: int) -> torch.Generator:
     """A DataLoader's generator from (seed, rank): its workers' base seed changes with --seed and
     differs between ranks (what a collate draws); the global stream stays the model's."""
     return torch.Generator().manual_seed(derive(seed, "workers", rank))
+
+
+def seed_generators(generators: list, seed: int) -> None:
+    """Each generator reseeded in place from (seed, its place): whoever holds it draws anew."""
+    numpy = sys.modules.get("numpy")
+    for place, generator in enumerate(generators):
+        own = derive(seed, place)
+        if isinstance(generator, torch.Generator):
+            generator.manual_seed(own)
+        elif isinstance(generator, random.Random):
+            generator.seed(own)
+        elif isinstance(generator, numpy.random.Generator):
+            bits = generator.bit_generator
+            bits.state = type(bits)(own).state
+        else:  # a NumPy RandomState
+            generator.seed(own % 2**32)
+
+
+@contextlib.contextmanager
+def drawn_with(seed: int, *where, generators: list = ()):
+    """utils.drawn_from, and the generators a dataset keeps for itself reseeded from the same
+    place."""
+    with drawn_from(seed, *where):
+        if generators:
+            seed_generators(generators, derive(seed, "own", *where))
+        yield

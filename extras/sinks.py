@@ -70,3 +70,17 @@ class WandbSink:
 def numbers(values: dict) -> dict:
     """The values that are numbers: a record's phase table and slow rank stay in steps.jsonl."""
     return {key: value for key, value in values.items() if isinstance(value, (int, float))}
+
+
+def started(args, records) -> list:
+    """--tensorboard's and --wandb's sinks, for records (metrics.StepRecords, started: the records
+    it kept); a continued run's W&B run is the same run, given every kept record again."""
+    sinks = []
+    if args.tensorboard:
+        first_step = records.last["global_step"] + 1
+        sinks.append(TensorBoardSink(records.path.with_name("tensorboard"), first_step))
+    if args.wandb:
+        wandb = WandbSink(args.wandb, records.saved["wandb_id"], vars(args), records.path.parent)
+        wandb.replay(records.kept["global_step"], records.kept["epoch"], records.steps_per_epoch)
+        sinks.append(wandb)
+    return sinks

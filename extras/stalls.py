@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 import faulthandler
 import json
 import os
@@ -37,19 +38,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from utils import first_line, first_to_say, record_for_torchrun, user_frame, write_line
-from .internals import (
-    COMPILE_FILES,
-    DATALOADER_WAIT,
-    WORKER_LOOP,
-    collectives_started,
-    default_store,
-    nccl_trace,
-)
-from utils import world_size
-from .workers import wait_until, worker_stacks
+from utils import first_line, first_to_say, record_for_torchrun, user_frame, world_size, write_line
 
 # Collectives wait this much longer than --timeout, so that the watchdog speaks first.
 GRACE = datetime.timedelta(seconds=30)
@@ -58,7 +50,8 @@ GRACE = datetime.timedelta(seconds=30)
 class Watchdog(contextlib.AbstractContextManager):
     """Watches this rank's progress from a thread of its own, and ends every rank of a stalled
     run; a context manager, closed as main ends. say: where the stall's line goes (stderr, or
-    distributed_mp.py's parent)."""
+    distributed_mp.py's parent); worker_stacks: what this rank's DataLoader workers are doing
+    (workers.worker_stacks; none without it)."""
 
     def __init__(
         self,
@@ -66,9 +59,12 @@ class Watchdog(contextlib.AbstractContextManager):
         output_dir: Path,
         rank: int,
         say: Callable[[str], object] = write_line,
+        worker_stacks: Callable[[], list] = list,
     ):
         self.timeout = timeout
         self.say = say
+        # this rank's DataLoader workers' stacks, (pid, frames, text) each: workers.worker_stacks
+        self.worker_stacks = worker_stacks
         self.stacks_dir = Path(output_dir) / "stalls"
         self.rank = rank
         self.world_size = world_size()
@@ -299,7 +295,7 @@ class Watchdog(contextlib.AbstractContextManager):
                 lines.append("\n")
         # Waiting for a DataLoader worker: the worker's line is the one to name.
         if any(frame.name == DATALOADER_WAIT for frame in frames):
-            for pid, worker_frames, text in worker_stacks():
+            for pid, worker_frames, text in self.worker_stacks():
                 lines.append(f"rank {self.rank}, DataLoader worker (pid {pid}):\n{text}\n")
                 if user_frame(worker_frames):
                     frames = worker_frames
@@ -397,3 +393,48 @@ def describe(report: dict, timeout: float) -> str:
     else:
         what = f"made no progress for {seconds} s"
     return f"rank {report['rank']} {what} {report['position']}, {report['where']}"
+
+
+# ---- PyTorch's private names the watchdog reaches (tests/test_internals.py checks each) ----
+
+# The frame of a DataLoader waiting for a worker, and of a worker's loop.
+DATALOADER_WAIT = "_try_get_data"
+
+
+WORKER_LOOP = "_worker_loop"
+
+
+# The files of a compile (not torch._dynamo's disable wrapper, which much of torch runs through).
+COMPILE_FILES = re.compile(r"torch/_dynamo/convert_frame\.py|torch/_inductor/")
+
+
+def collectives_started() -> int | None:
+    """The collectives this rank has started in all its groups (the rank with fewest is the one the
+    others wait for), or None where PyTorch no longer tells."""
+    try:
+        groups = dist.distributed_c10d._world.pg_map
+        return sum(group._get_sequence_number_for_group() for group in groups)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def default_store() -> dist.Store | None:
+    """The store the default process group met in, or None where PyTorch no longer tells."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        return None
+    return get_store()
+
+
+def nccl_trace() -> bytes | None:
+    """NCCL's Flight Recorder trace of this rank's last collectives, or None."""
+    try:
+        return torch._C._distributed_c10d._dump_nccl_trace()
+    except Exception:  # missing, or failing: the stall line must come all the same
+        return None
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -7,6 +7,7 @@ A script imports it in its stream branch only, as build_datasets imports builtin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import bisect
 import hashlib
 import itertools
@@ -17,10 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
-from utils import UsageError, first_line
-from .internals import tree_map_only
-from utils import all_gather_objects, all_reduce, share
-from .seeds import sample_streams
+from utils import UsageError, all_gather_objects, all_reduce, first_line, share, tree_map_only
 
 
 class StreamSampler:
@@ -44,9 +42,13 @@ class StreamSampler:
         train: bool = True,
         micro_batches: int = 1,
         seed: int = 0,
+        seeded: Callable | None = None,
     ):
         self.stream = stream
         self.seed = seed
+        # seeds.sample_streams: each sample's random streams from its place (without it, the
+        # stream's own)
+        self.seeded = seeded
         self.part = share(batch_size, rank, world_size)  # a micro-batch of this rank
         self.rank = rank
         self.train = train
@@ -98,9 +100,9 @@ class StreamSampler:
             reader = self.stream.shard(self.readers, index)
         if hasattr(reader, "set_epoch"):
             reader.set_epoch(self.epoch)
-        if getattr(self.stream, "seeds_itself", False):
+        if self.seeded is None or getattr(self.stream, "seeds_itself", False):
             return reader
-        return sample_streams(reader, self.seed, "stream", self.epoch, index)
+        return self.seeded(reader, self.seed, "stream", self.epoch, index)
 
     def __iter__(self):
         # Each reader's samples in a global batch, and the readers this rank's share overlaps.

@@ -6,9 +6,11 @@ workers.worker_start(args.workers) to each DataLoader.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.connection
 import os
 import signal
@@ -19,8 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .checkpoints import write_atomically
-from .internals import start_forkserver
+from utils import write_atomically
 
 # worker_start's: each folder of a module and its real path (symbolic links followed)
 REAL_FOLDERS: dict[str, str] = {}
@@ -105,7 +106,39 @@ def worker_start(workers: int):
             modules.add(name)
     context.set_forkserver_preload(sorted(modules))
     start_forkserver([script_folder, os.path.dirname(ours)])
+    # At this process's exit, multiprocessing would send its workers SIGTERM, which they leave to
+    # it, and wait for them forever (a run ended by an error mid-epoch): they are killed first.
+    atexit.unregister(kill_workers)
+    atexit.register(kill_workers)
     return context
+
+
+def kill_workers() -> None:
+    """SIGKILL to this process's DataLoader workers still running."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def start_forkserver(folders: list[str]) -> None:
+    """Start multiprocessing's forkserver now (and its resource tracker), finding the modules it
+    preloads in folders."""
+    # It reads PYTHONPATH, not sys.path, whatever the working directory. A rank that ends at once
+    # (an error, a stall) leaves its workers' named semaphores to the resource tracker, which frees
+    # them and would warn about each on stderr: the two processes alone start with that warning
+    # off, and this process's environment is as it was after.
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONWARNINGS")}
+    path, warnings = saved["PYTHONPATH"], saved["PYTHONWARNINGS"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*folders, *([path] if path else [])])
+    quiet = "ignore:resource_tracker"
+    os.environ["PYTHONWARNINGS"] = ",".join([*([warnings] if warnings else []), quiet])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def wait_until(condition, seconds: float) -> None:

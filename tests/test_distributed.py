@@ -18,7 +18,7 @@ import distributed
 import processes
 from extras import builtin
 import utils
-from extras import batches, scores
+from extras import scores, slurm
 
 from processes import (
     PYTHON,
@@ -333,7 +333,7 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
     )
     try:  # a world of one in this process, as the script has
         loader = DataLoader(
-            val_set, 64, collate_fn=batches.Counted(distributed.collate)
+            val_set, 64, collate_fn=utils.Counted(distributed.collate)
         )  # as the script makes it
         # no watchdog thread in pytest's process: what evaluate tells it, taken and dropped; no
         # metrics of a user's (build_metrics); the rest of the loop's state is evaluate's no concern
@@ -560,12 +560,12 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     apart, at once with PYTHONUNBUFFERED) ran into the other rank's line. Each write shows here as <...>."""
     code = (
         "import io, os, sys\n"
-        "from utils import errors, flags\n"
+        "import utils\n"
         "class Writes(io.RawIOBase):\n"
         "    def writable(self): return True\n"
         "    def write(self, data): return os.write(2, b'<' + bytes(data) + b'>') and len(data)\n"
         "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n"
-        "errors.run_main(lambda teardown: flags.build_parser('').parse_args(['--no-such-flag']))\n"
+        "utils.run_main(lambda teardown: utils.build_parser('').parse_args(['--no-such-flag']))\n"
     )
     result = run([PYTHON, "-c", code], timeout=60, check=False)
     assert result.returncode == 1 and result.stderr == (
@@ -584,7 +584,7 @@ def test_an_error_line_is_one_write_so_that_ranks_lines_never_run_together():
     ],
 )
 def test_slurm_node_lists_give_their_first_host(nodelist, first):
-    assert utils.slurm_master_addr(nodelist) == first
+    assert slurm.slurm_master_addr(nodelist) == first
 
 
 def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import utils
-from extras import batches, streams
+from extras.elastic import GlobalBatchShares
+from extras import streams
 from processes import (
     AGENT_ENV,
     TINY,
@@ -227,7 +228,7 @@ def test_shares_of_a_global_batch_are_distributed_samplers_where_the_batch_divid
     data = list(range(1035))
 
     def loaded(batch: int, rank: int, world_size: int) -> list[list[int]]:
-        sampler = batches.GlobalBatchShares(data, batch, rank, world_size, seed=3)
+        sampler = GlobalBatchShares(data, batch, rank, world_size, seed=3)
         size = utils.share(batch, rank, world_size)
         return [b.tolist() for b in DataLoader(data, size, sampler=sampler, drop_last=True)]
 

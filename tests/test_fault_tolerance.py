@@ -168,7 +168,7 @@ def test_a_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path):
     path, writer = tmp_path / "checkpoint.pt", tmp_path / "writer.py"
     writer.write_text(
         f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); import pathlib\n"
-        "from utils import checkpoints\n"
+        "from extras import checkpoints\n"
         "p = pathlib.Path(sys.argv[1]); i = 0\n"
         "while True:\n"
         "    i += 1\n"

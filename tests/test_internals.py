@@ -1,5 +1,5 @@
-"""The private names of PyTorch and Python that the scripts use are reached in extras/internals.py
-alone, and each exists on the installed PyTorch: an upgrade that renames one fails here,
+"""The private names of PyTorch and Python that the scripts use are reached only in the files
+PLACES names, and each exists on the installed PyTorch: an upgrade that renames one fails here,
 not in a user's run. Where one is missing all the same, the stall line still comes, naming no rank
 rather than a wrong one."""
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from extras import checks, internals, stalls
+import utils
+from extras import checkpoints, checks, stalls
 from processes import ROOT
 
 SCRIPTS = sorted(
@@ -27,20 +28,34 @@ SCRIPTS = sorted(
 # what reaches into PyTorch's or multiprocessing's insides
 PRIVATE = re.compile(
     r"torch\._C\b|\._world\b|_get_default_store|_sequence_number|\._spec\b|\._scale\b|"
-    r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace|_pytree|_composable"
+    r"ensure_running|_try_get_data|_worker_loop|_dump_nccl_trace|_pytree|_composable|"
+    r"queue_callback|_count_flops|_execution_engine"
 )
+# the only files that reach them, each for what it does: the tree utilities, the watchdog's reads of
+# a stalled rank, a shard's host copy, the forkserver's start, the backward's end, the start-up
+# step's FLOPs, the skipped fp16 steps, FSDP's activation checkpointing
+PLACES = [
+    "utils.py",
+    "extras/stalls.py",
+    "extras/checkpoints.py",
+    "extras/workers.py",
+    "extras/profiles.py",
+    "extras/checks.py",
+    "distributed_amp.py",
+    "distributed_fsdp.py",
+]
 
 
 def test_each_internal_exists_on_the_installed_pytorch():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        before = internals.collectives_started()
+        before = stalls.collectives_started()
         dist.all_reduce(torch.ones(1))
-        assert before is not None and internals.collectives_started() == before + 1
-        assert isinstance(internals.default_store(), dist.Store)
+        assert before is not None and stalls.collectives_started() == before + 1
+        assert isinstance(stalls.default_store(), dist.Store)
         # a shard's host copy, in its place for dcp.save
         shard = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)])
-        copy = internals.dtensor_of(torch.zeros(4), shard)
+        copy = checkpoints.dtensor_of(torch.zeros(4), shard)
         assert isinstance(copy, DTensor) and copy.placements == shard.placements
         assert torch.equal(copy.to_local(), torch.zeros(4))
     finally:
@@ -49,32 +64,38 @@ def test_each_internal_exists_on_the_installed_pytorch():
         assert callable(torch._C._distributed_c10d._dump_nccl_trace)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))
-    assert isinstance(internals.loss_scale(scaler), torch.Tensor)
+    assert isinstance(scaler._scale, torch.Tensor) and scaler._device == "cpu"  # distributed_amp.py
+    # the backward's end (extras/profiles.py), a FLOP count's parts (extras/checks.py)
+    assert callable(torch.autograd.Variable._execution_engine.queue_callback)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert callable(FlopCounterMode._count_flops)
     assert callable(multiprocessing.forkserver.ensure_running)
-    assert callable(internals.tree_map_only) and callable(internals.tree_flatten)
+    assert callable(utils.tree_map_only) and callable(utils.tree_flatten)
     assert callable(importlib.import_module("torch.distributed._composable").checkpoint)
     from torch.utils.data import _utils, dataloader
 
-    assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, internals.DATALOADER_WAIT))
-    assert callable(getattr(_utils.worker, internals.WORKER_LOOP))
+    assert callable(getattr(dataloader._MultiProcessingDataLoaderIter, stalls.DATALOADER_WAIT))
+    assert callable(getattr(_utils.worker, stalls.WORKER_LOOP))
     for name in ("torch._dynamo.convert_frame", "torch._inductor.compile_fx"):
         module = importlib.import_module(name)
-        assert internals.COMPILE_FILES.search(module.__file__.replace("\\", "/")), module.__file__
+        assert stalls.COMPILE_FILES.search(module.__file__.replace("\\", "/")), module.__file__
 
 
-def test_internals_are_reached_in_one_place():
+def test_internals_are_reached_only_where_places_says():
     paths = [ROOT / name for name in (*SCRIPTS, "utils.py")] + sorted(
         (ROOT / "extras").glob("*.py")
     )
+    reaching = set()
     for path in paths:
-        if path.name == "internals.py":
-            continue
         lines = [
             line
             for line in path.read_text().splitlines()
             if PRIVATE.search(line) and not line.lstrip().startswith("#")
         ]
-        assert not lines, (path.name, lines)
+        if lines:
+            reaching.add(path.relative_to(ROOT).as_posix())
+    assert reaching <= set(PLACES), sorted(reaching - set(PLACES))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -90,7 +111,7 @@ def test_the_default_loss_is_recognised_in_every_script(script, monkeypatch):
 
 def test_without_collective_counts_the_line_names_no_rank_but_every_position(monkeypatch, tmp_path):
     monkeypatch.delattr(dist.distributed_c10d, "_world")
-    assert internals.collectives_started() is None
+    assert stalls.collectives_started() is None
     reports = [
         {
             "rank": 0,
@@ -120,10 +141,10 @@ def test_without_collective_counts_the_line_names_no_rank_but_every_position(mon
 
 def test_a_missing_or_failing_trace_dump_never_stops_the_line(monkeypatch):
     monkeypatch.delattr(torch._C._distributed_c10d, "_dump_nccl_trace", raising=False)
-    assert internals.nccl_trace() is None
+    assert stalls.nccl_trace() is None
     monkeypatch.setattr(
         torch._C._distributed_c10d, "_dump_nccl_trace", lambda: 1 / 0, raising=False
     )
-    assert internals.nccl_trace() is None
+    assert stalls.nccl_trace() is None
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
-    assert internals.default_store() is None
+    assert stalls.default_store() is None

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import utils
 from extras import streams
-from extras import batches
 from processes import (
     ROOT,
     assert_same_records,
@@ -312,7 +312,7 @@ def split(
         loader = DataLoader(
             streams.Samples(), None, sampler=sampler, num_workers=workers, collate_fn=list
         )
-        given.append(list(batches.epoch_loader(loader, 0, skip)))
+        given.append(list(utils.epoch_loader(loader, 0, skip)))
     return given
 
 
@@ -385,17 +385,15 @@ def test_epochs_of_a_stream_come_from_its_length_or_steps_per_epoch():
         None,
         sampler=streams.StreamSampler(yours["SizedBlobStream"](640, 1), 32, 0, 2),
     )
-    assert (
-        batches.steps_per_epoch(sized, args) == 20 and batches.steps_per_epoch(sized, args, 4) == 5
-    )
+    assert utils.steps_per_epoch(sized, args) == 20 and utils.steps_per_epoch(sized, args, 4) == 5
     args.steps_per_epoch = 15
-    assert batches.steps_per_epoch(sized, args) == 15  # cut
+    assert utils.steps_per_epoch(sized, args) == 15  # cut
     unsized = DataLoader(
         streams.Samples(),
         None,
         sampler=streams.StreamSampler(yours["BlobStream"](640, 1), 32, 0, 2),
     )
-    assert batches.steps_per_epoch(unsized, args) == 15
+    assert utils.steps_per_epoch(unsized, args) == 15
 
 
 def write_json_lines(

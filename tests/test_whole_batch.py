@@ -83,7 +83,9 @@ calls = 0
 
 
 def yours(loss: str) -> str:
-    return f"import os\nimport signal\nLOSS = {loss!r}\n" + YOUR_PAIRS
+    return (
+        f"import os\nimport signal\n\nfrom extras import batches\n\nLOSS = {loss!r}\n" + YOUR_PAIRS
+    )
 
 
 FLAGS = [*COMMON, "--batch-size", "64", "--optimizer", "adamw", "--lr", "0.01", "--print-freq", "2"]

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from extras import together
+import utils
 from processes import OFFLINE, ROOT, max_weight_difference, metrics, run_parallel, steps
 from test_your_own_data import (
     COMMON,
@@ -60,6 +60,12 @@ def train_step(run, inputs, targets) -> dict:
     optimizer.step()
     run.scheduler.step()
     return dict(loss=loss, outputs=outputs, corruption=(noisy - inputs).pow(2).mean())
+
+
+def eval_step(run, model, inputs, targets):
+    """Validated as trained: the corrupted inputs reconstructed."""
+    outputs = model(inputs + 0.5 * torch.sin(3 * inputs))
+    return compute_loss(outputs, inputs), outputs
 '''
 
 # the same step over distributed_grad_accum.py's micro-batches
@@ -88,9 +94,9 @@ def train_step(run, micro_batches) -> dict:
 def test_a_denoising_step_of_yours_trains_on_2_processes_what_1_does_and_continues_exactly(
     tmp_path,
 ):
-    """The user's train_step corrupts the inputs and reconstructs them: 2 x 16 == 1 x 32 (1e-5), a run stopped
-    after its first epoch and continued == the straight run, each step's record once, and the validation loss falls
-    below a third of the untrained one. The same step over distributed_grad_accum.py's 2 micro-batches on 2
+    """The user's train_step corrupts the inputs and reconstructs them, and their eval_step validates so: 2 x 16 ==
+    1 x 32 (1e-5), a run stopped after its first epoch and continued == the straight run, each step's record once,
+    the validation loss the eval_step's over every sample once (1e-5), falling below a third of the untrained one. The same step over distributed_grad_accum.py's 2 micro-batches on 2
     processes trains the same weights; the step's other number (the corruption) is recorded alike by both."""
     script = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_DENOISING)
     accumulated = copy_with_your_functions(
@@ -136,6 +142,14 @@ def test_a_denoising_step_of_yours_trains_on_2_processes_what_1_does_and_continu
         untrained,
     )
     assert [m["val_images"] for m in metrics(two)] == [203] * 3  # each validation sample once
+    # the user's eval_step's loss, over every validation sample once: the final weights' on the corrupted inputs
+    yours = users_code(YOUR_DENOISING)
+    model = yours["build_model"](None, 16).double()
+    model.load_state_dict(torch.load(two / "checkpoint.pt", weights_only=True)["model"])
+    clean = yours["Vectors"](203, seed=2).x.double()
+    with torch.no_grad():
+        expected = (model(clean + 0.5 * torch.sin(3 * clean)) - clean).pow(2).mean().item()
+    assert losses[-1] == pytest.approx(expected, rel=1e-5), (losses[-1], expected)
     # every training record once, in order, the same over the continuation
     for out in (two, stopped):
         trained = [r["global_step"] for r in steps(out) if "train_loss" in r]
@@ -219,7 +233,7 @@ class Points(torch.utils.data.Dataset):
         return {"real": self.points[index], "noise": torch.randn(4)}, torch.tensor([1.0, 0.0])
 
 
-class GAN(together.TrainedTogether):
+class GAN(utils.TrainedTogether):
     """The generator and the discriminator, trained together: each its own DDP and optimizer."""
 
     def forward(self, real, noise):
@@ -259,10 +273,14 @@ def train_step(run, inputs, targets) -> dict:
         os.kill(os.getpid(), signal.SIGTERM)
     generator, discriminator = run.model["generator"], run.model["discriminator"]
     fake = generator(inputs["noise"])
-    outputs = GAN.scores(discriminator, inputs["real"], fake.detach())
+    real = inputs["real"].requires_grad_()
+    outputs = GAN.scores(discriminator, real, fake.detach())
     loss = compute_loss(outputs, targets)
+    # R1's gradient penalty: each real point's gradient, taken with create_graph and backwarded through
+    (slopes,) = torch.autograd.grad(outputs[:, 0].sum(), real, create_graph=True)
+    penalty = slopes.pow(2).sum(1).mean()
     run.optimizer["discriminator"].zero_grad(set_to_none=True)
-    run.backward(loss)
+    run.backward(loss + penalty)
     run.optimizer["discriminator"].step()
     # the generator: its points scored as real
     fooled = discriminator(fake)
@@ -281,8 +299,8 @@ calls = 0
 def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_exactly_and_is_profiled_by_step(
     tmp_path,
 ):
-    """A GAN in the user's train_step (build_model's together.TrainedTogether: each model its own DDP and optimizer, a
-    discriminator step and a generator step per step): 2 x 16 == 1 x 32 (1e-5), both losses recorded over all
+    """A GAN in the user's train_step (build_model's utils.TrainedTogether: each model its own DDP and optimizer, a
+    discriminator step with a gradient penalty's double backward and a generator step per step): 2 x 16 == 1 x 32 (1e-5), both losses recorded over all
     ranks; SIGTERM to rank 1 mid-epoch and the same command again == the straight run (1e-6, both models, both
     optimizers and schedules), each step's record once; --profile 3:5 holds steps 3 to 5 each once (one data phase,
     two optimizer steps each); the generator's points move toward the data. dataparallel.py, which trains one model,
@@ -310,7 +328,7 @@ def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_
     )
     # a script that trains one model says so, in one line
     assert results[-1].returncode == 1 and results[-1].stderr.strip().splitlines() == [
-        "error: build_model's GAN is models trained together (together.TrainedTogether): distributed.py,"
+        "error: build_model's GAN is models trained together (utils.TrainedTogether): distributed.py,"
         " distributed_mp.py and distributed_amp.py train each in its own DDP; this script trains one model"
     ], results[-1].stderr
     state = torch.load(stopped / "checkpoint.pt", weights_only=True)
@@ -343,7 +361,7 @@ def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_
         ]
         assert names.count("data") == 3 and names.count("optimizer") == 6, names
     # the generator's points, at the end, near the data's centre (its untrained ones are far from it)
-    namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "together": together}
+    namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "utils": utils}
     exec("import os\nimport signal\n" + YOUR_GAN, namespace)
     gan = namespace["build_model"](None, 2)
     untrained = gan["generator"](torch.randn(1000, 4)).mean(0)

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the same fake images and model as the scripts, and the same flags and learning-rate schedule
 import utils  # noqa: E402
-from extras import builtin, checkpoints, metrics, optimizers  # noqa: E402
+from extras import builtin, metrics, optimizers  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -186,7 +186,7 @@ def main() -> None:
             )
             print(json.dumps(record), flush=True)
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            checkpoints.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
+            utils.append_metrics(Path(args.output_dir) / "metrics.jsonl", record)
     dist.destroy_process_group()
 
 

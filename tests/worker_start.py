@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from extras import batches, builtin, workers  # noqa: E402
+import utils  # noqa: E402
+from extras import builtin, workers  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -36,7 +37,7 @@ def measure(context, dataset, processes: int) -> dict:
         persistent_workers=True,
         worker_init_fn=workers.init_worker,
         multiprocessing_context=context,
-        collate_fn=batches.Counted(torch.utils.data.default_collate),
+        collate_fn=utils.Counted(torch.utils.data.default_collate),
     )
     started = time.perf_counter()
     loaded = iter(loader)
