@@ -31,7 +31,6 @@ from extras import (
     batches,
     checkpoints,
     checks,
-    loops,
     metrics,
     optimizers,
     peaks,
@@ -410,24 +409,73 @@ class Training:
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
-    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
+    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks.
+    Every rank takes the same steps."""
+    args, recorder = run.args, run.recorder
     run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # around each step (extras/loops.py): progress for the watchdog, its seeds, its batch on the
-    # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
-    k = run.args.accum_steps
-    steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint, micro_batches=k)
-    for micro_batches in steps:
+    # continued mid-epoch: the same order without the batches trained on (the epoch told to the
+    # dataset: an image folder's crops), and the sums the checkpoint kept
+    loader = utils.epoch_loader(run.train_loader, epoch, steps_done * args.accum_steps)
+    meter = recorder.meter_for_epoch(run.device, steps_done)
+    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
+    # stops all after the same one; --steps-per-epoch may cut an epoch
+    batches = zip(*[meter.timed(loader)] * args.accum_steps)  # K micro-batches a step
+    for step, batch in run.stop.steps(batches, steps_done, recorder.steps_per_epoch):
+        recorder.phases.new_step()  # its first optimizer step counts it, once
+        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
+        # step), as one process draws its own for each sample
+        utils.seed_step(args.seed, epoch, step)
+        # all ranks' samples (--batch-size, or your sampler's): run.backward() weights each
+        # micro-batch's loss by its part of them
+        run.samples = (None, utils.samples_in_step(run.train_loader.sampler, step, args.batch_size))
+        samples = sum(n for n, _ in batch)
+        micro_batches = on_device(run, loader, batch, epoch, step)
         # a loss over the whole batch needs every micro-batch's outputs before the first backward
         if run.whole_batch:
             result = train_step_over_whole_batch(run, micro_batches)
         else:
             result = train_step(run, micro_batches)
         run.ema.update()  # --ema: the average moves toward the new weights
-        steps.done(result)
+        # the other numbers it returned (it added its micro-batches' loss and accuracy itself)
+        meter.add_step(result, samples, None, recorded=True)
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
+        # after this step
+        signum, last = run.stop.agreed()
+        # a record every --print-freq steps and at the end (all-reduces, every rank); a diverged
+        # run stops here
+        if step % args.print_freq == 0 or last:
+            recorder.train(epoch, step, run.model, run.optimizer, result)
+        # --eval-every N: mid-epoch too; its time left out of the speed and the phases
+        if args.eval_every and step % args.eval_every == 0 and not last:
+            with meter.paused():
+                validate(run, epoch, step)
+            run.model.train()
+        # this point of the epoch: the same command continues from here (after a signal, when
+        # --save-minutes' timer fired on some rank, every --save-every steps)
+        timer = run.stop.save_timer_fired()  # and it starts again
+        if signum or timer or (args.save_every and step % args.save_every == 0):
+            with meter.paused():
+                save_checkpoint(run, epoch, step)
+        if signum:
+            with utils.errors_shared_by_all_ranks():
+                run.saves.wait()  # the stop's checkpoint whole before the process ends
+            raise utils.Stopped(signum, epoch, step, recorder.steps_per_epoch)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
-    return steps.epoch_record()
+    return meter.epoch_record()
+
+
+def on_device(run: Training, loader: DataLoader, batch: tuple, epoch: int, step: int):
+    """The step's micro-batches, each (inputs, targets, samples) on the device as it comes, its
+    random draws keyed by (epoch, micro-step)."""
+    first = (step - 1) * run.args.accum_steps + 1
+    for micro_step, (samples, micro_batch) in enumerate(batch, first):
+        run.watchdog.batch(epoch, micro_step)  # progress, a micro-batch
+        inputs, targets = utils.batch_to_device(
+            micro_batch, run.device, loader.dataset, run.args.channels_last, key=(epoch, micro_step)
+        )
+        yield inputs, targets, samples
 
 
 def validate(run: Training, epoch: int, step: int) -> dict:

@@ -40,7 +40,6 @@ import utils
 from extras import (
     checkpoints,
     checks,
-    loops,
     metrics,
     optimizers,
     peaks,
@@ -341,19 +340,61 @@ class Training:
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
-    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks."""
+    """The epoch's steps after steps_done (a run continued mid-epoch); its record over all ranks.
+    Every rank takes the same steps."""
+    args, recorder = run.args, run.recorder
     run.model.train()
     # a new shuffle each epoch, the same on all ranks (a stream's too)
     run.train_loader.sampler.set_epoch(epoch)
-    # around each step (extras/loops.py): progress for the watchdog, its seeds, its batch on the
-    # device, the stop all ranks agree on, records, --eval-every's validation, saves, SIGTERM
-    steps = loops.EpochSteps(run, epoch, steps_done, validate, save_checkpoint)
-    for inputs, targets in steps:
+    # continued mid-epoch: the same order without the batches trained on (the epoch told to the
+    # dataset: an image folder's crops), and the sums the checkpoint kept
+    loader = utils.epoch_loader(run.train_loader, epoch, steps_done)
+    meter = recorder.meter_for_epoch(run.device, steps_done)
+    # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
+    # stops all after the same one; --steps-per-epoch may cut an epoch
+    batches = meter.timed(loader)
+    for step, (samples, batch) in run.stop.steps(batches, steps_done, recorder.steps_per_epoch):
+        run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
+        recorder.phases.new_step()  # its first optimizer step counts it, once
+        # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
+        # step), as one process draws its own for each sample
+        utils.seed_step(args.seed, epoch, step)
+        # this rank's samples and all ranks' (--batch-size, or your sampler's): run.backward()
+        # weights the loss by them
+        step_samples = utils.samples_in_step(run.train_loader.sampler, step, args.batch_size)
+        run.samples = (samples, step_samples)
+        # on the device; its random draws keyed by (epoch, step)
+        inputs, targets = utils.batch_to_device(
+            batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
+        )
         result = train_step(run, inputs, targets)
         run.ema.update()  # --ema: the average moves toward the new weights
-        steps.done(result)
+        # its loss and accuracy added up, and the other numbers it returned
+        meter.add_step(result, samples, targets)
+        # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
+        # after this step
+        signum, last = run.stop.agreed()
+        # a record every --print-freq steps and at the end (all-reduces, every rank); a diverged
+        # run stops here
+        if step % args.print_freq == 0 or last:
+            recorder.train(epoch, step, run.model, run.optimizer, result)
+        # --eval-every N: mid-epoch too; its time left out of the speed and the phases
+        if args.eval_every and step % args.eval_every == 0 and not last:
+            with meter.paused():
+                validate(run, epoch, step)
+            run.model.train()
+        # this point of the epoch: the same command continues from here (after a signal, when
+        # --save-minutes' timer fired on some rank, every --save-every steps)
+        timer = run.stop.save_timer_fired()  # and it starts again
+        if signum or timer or (args.save_every and step % args.save_every == 0):
+            with meter.paused():
+                save_checkpoint(run, epoch, step)
+        if signum:
+            with utils.errors_shared_by_all_ranks():
+                run.saves.wait()  # the stop's checkpoint whole before the process ends
+            raise utils.Stopped(signum, epoch, step, recorder.steps_per_epoch)
     # all-reduce, every rank: the epoch's loss and accuracy over all ranks, its time and speed
-    return steps.epoch_record()
+    return meter.epoch_record()
 
 
 def validate(run: Training, epoch: int, step: int) -> dict:

@@ -17,7 +17,6 @@ warnings filter). In the order a reader of distributed.py meets them:
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
-- loops: what happens around each training step, whatever the step does (EpochSteps);
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
   validation so far (--keep-best);
 - scores: a project's own validation metrics (build_metrics, torchmetrics') over every

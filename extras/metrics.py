@@ -176,6 +176,20 @@ class Meter:
         if len(self.totals) == KEPT_STEPS or self.kept > KEPT_ELEMENTS:
             self.add_kept()
 
+    def add_step(self, result, samples: int, targets, recorded: bool = False) -> None:
+        """A training step's: train_step's dict, its loss and outputs added (recorded: the step
+        added its micro-batches' itself), and its other numbers (add_others)."""
+        if not isinstance(result, dict) or (
+            not recorded and not {"loss", "outputs"} <= result.keys()
+        ):
+            raise UsageError(
+                "train_step must return a dict of the step's loss and outputs (and its grad_norm or"
+                f" None), not {describe_value(result)}"
+            )
+        if not recorded:
+            self.update(result["loss"], result["outputs"], targets, samples)
+        self.add_others(result, samples)
+
     def add_others(self, result: dict, samples: int) -> None:
         """A step's other losses (train_step's other keys, numbers), weighted by its samples: kept
         on the device, nothing read back."""
@@ -477,22 +491,26 @@ class StepRecords:
         self.last, self.kept = last, kept
 
     def train(
-        self,
-        epoch: int,
-        step: int,
-        since_record: dict,
-        lr: float,
-        grad_norm: torch.Tensor | None,
-        **more,
+        self, epoch: int, step: int, model: nn.Module, optimizer, result: dict, **more
     ) -> None:
-        """Every rank calls it at the same step: a training record of all ranks' numbers
-        (Meter.since_record's), the learning rate and the gradients' norm; a diverged run stops
-        here."""
+        """Every rank calls it at the same step (all-reduces): a training record of all ranks'
+        numbers since the last one (Meter.since_record's), the learning rate, the gradients' norm
+        (train_step's, or measured as the step left them), the step's other numbers as
+        train_<name>, and more; a diverged run stops here."""
+        since_record = self.meter.since_record()
+        grad_norm = result.get("grad_norm")
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grad_norm is None and grads:  # not clipped: measured, the gradients left as they are
+            grad_norm = nn.utils.get_total_norm(grads)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP's: all shards' (a collective)
+            grad_norm = grad_norm.full_tensor()
         record = dict(
             **since_record,
-            lr=lr,
+            lr=optimizer.param_groups[0]["lr"],
             grad_norm=None if grad_norm is None else float(grad_norm),
             peak_mem_mb=peak_memory_mb(self.meter.sums.device),
+            # the step's other numbers (a GAN's generator loss), over all ranks: an all-reduce
+            **self.meter.others_since_record(),
             **more,
         )
         check_finite(None, epoch, step, record, self.args)

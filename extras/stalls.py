@@ -7,7 +7,7 @@ it; it closes as main ends (run_main's teardown):
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
 
 The run tells it what it does, and nothing else does: watchdog.batch(epoch, step) for each
-training batch (loops.EpochSteps), watchdog.batch() for each validation batch (the script's
+training batch (the script's train_one_epoch), watchdog.batch() for each validation batch (its
 evaluate), and a save writes under watchdog.writing(path, growing)
 (checkpoints.save_checkpoint(..., watchdog) does it).
 
@@ -97,7 +97,9 @@ class Watchdog(contextlib.AbstractContextManager):
             store = default_store()
             if store is not None:
                 self.store = dist.PrefixStore("watchdog/", store)
-        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+        self.woken = threading.Event()  # close() wakes the thread from its beat's wait
+        self.thread = threading.Thread(target=self.watch, name="watchdog", daemon=True)
+        self.thread.start()
 
     def __exit__(self, *exc_info) -> None:
         self.close()
@@ -141,7 +143,7 @@ class Watchdog(contextlib.AbstractContextManager):
     def watch(self) -> None:
         beat = min(2.0, self.timeout / 10)  # a store round trip this often at most
         while not self.closed:
-            time.sleep(beat)
+            self.woken.wait(beat)
             # A C call that holds the GIL stops this thread too: faulthandler's thread then ends it.
             backstop = self.timeout + 2 * GRACE.total_seconds()
             faulthandler.dump_traceback_later(backstop, exit=True)
@@ -314,9 +316,15 @@ class Watchdog(contextlib.AbstractContextManager):
         """main() has ended: a watchdog that is ending the run finishes it, else it stops (an
         error on this rank waits here for the stall's line, which it may follow from)."""
         self.closed = True
+        self.woken.set()
         faulthandler.cancel_dump_traceback_later()
         while self.ending:
             time.sleep(1)
+        # Joined here, not left running into the interpreter's exit: a daemon thread inside a
+        # store call then is ended mid-C++, and the process aborts ("terminate called without an
+        # active exception").
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
 
 
 def is_compiling() -> bool:
