@@ -137,6 +137,22 @@ def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
     return compute_loss(outputs, targets), outputs
 
 
+def gather_on_rank_0(obj) -> list | None:
+    """Every rank calls it: every rank's obj, its tensors copied to the CPU, on rank 0 alone."""
+    obj = utils.tree_map_only(torch.Tensor, to_cpu, obj)
+    if utils.world_size() == 1:
+        return [obj]
+    objects = None
+    if dist.get_rank() == 0:
+        objects = [None] * dist.get_world_size()
+    dist.gather_object(obj, objects, dst=0)
+    return objects
+
+
+def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()
+
+
 # ---- the approach ----
 
 
@@ -549,7 +565,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     progress = run.recorder.all_ranks_state_dict()
     # every process's copy and inner optimizer (gathered, every rank): a run stopped within H steps
     # continues exactly
-    replicas = checkpoints.gather_on_rank_0(
+    replicas = gather_on_rank_0(
         {
             "params": [p.detach() for p in model.parameters()],
             "optimizer": run.optimizer.state_dict(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -161,10 +162,10 @@ def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
     # the outputs without gradients; batch-norm statistics move in the second forward only
     with torch.no_grad(), checks.statistics_kept(model):
         for inputs, _, _ in micro_batches:
-            draws.append(seeds.model_streams())
+            draws.append(model_streams())
             parts.append(utils.forward(model, inputs))
-    targets = batches.Joined([targets for _, targets, _ in micro_batches], samples).whole
-    outputs = batches.Joined(parts, samples, grad=True)
+    targets = Joined([targets for _, targets, _ in micro_batches], samples).whole
+    outputs = Joined(parts, samples, grad=True)
     # the loss over all ranks' whole step (whole_batch's all-gathers), its gradient at the outputs
     loss = compute_loss(outputs.whole, targets)
     items = run.backward(loss, sum(samples))
@@ -172,7 +173,7 @@ def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
     for i, (inputs, _, _) in enumerate(micro_batches):
         # DDP all-reduces in the last micro-batch's backward only
         with nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
-            seeds.draw_again(draws[i])
+            draw_again(draws[i])
             outputs.backward(i, utils.forward(model, inputs))
     if not isinstance(loss, torch.Tensor):
         divide_by_items(model, items, run.samples[1])
@@ -196,6 +197,85 @@ def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
     for p in model.parameters():
         if p.grad is not None:
             p.grad.mul_(factor)
+
+
+class Joined:
+    """A step's micro-batches' outputs (or targets) as one batch's, .whole, for a loss over the
+    whole step (GradCache; open_clip's --accum-freq): a tensor of a row per sample concatenated,
+    any other (a learned temperature) the first micro-batch's, which must be each one's. grad: each
+    floating-point tensor a leaf that the loss's backward leaves its gradient at, which
+    backward(i, outputs) sends back through micro-batch i's outputs computed again. The other
+    tensors are compared in the run's first step only (a GPU value read back), whose outputs are
+    made as every step's are."""
+
+    compared = False  # the first step's outputs (grad) were compared
+
+    def __init__(self, parts: list, samples: list[int], grad: bool = False):
+        self.samples = samples
+        flat = [utils.tree_flatten(part) for part in parts]
+        if any(spec != flat[0][1] for _, spec in flat):
+            raise UsageError("the micro-batches' outputs differ in structure: they cannot join")
+        self.leaves, self.per_sample = [], []
+        for tensors in zip(*[leaves for leaves, _ in flat]):
+            whole = tensors[0]
+            per_sample = all(
+                isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == n
+                for t, n in zip(tensors, samples)
+            )
+            if per_sample:
+                whole = torch.cat(tensors)
+            elif (
+                not Joined.compared
+                and isinstance(whole, torch.Tensor)
+                and any(not whole.equal(t) for t in tensors)
+            ):
+                raise UsageError(
+                    f"a {tuple(whole.shape)} tensor of the outputs is neither a row per sample nor"
+                    " the same in every micro-batch: a loss over the whole step cannot join it"
+                )
+            if grad and isinstance(whole, torch.Tensor):
+                whole = whole.detach().requires_grad_(whole.is_floating_point())
+            self.leaves.append(whole)
+            self.per_sample.append(per_sample)
+        self.whole = utils.tree_unflatten(self.leaves, flat[0][1])
+        Joined.compared = Joined.compared or grad
+
+    def backward(self, i: int, outputs) -> None:
+        """Micro-batch i's backward from its rows of the gradient at .whole (from the other
+        tensors' whole gradient in the last micro-batch, whose backward DDP all-reduces in)."""
+        start = sum(self.samples[:i])
+        last = i == len(self.samples) - 1
+        tensors, grads = [], []
+        for again, whole, per_sample in zip(
+            utils.tree_flatten(outputs)[0], self.leaves, self.per_sample
+        ):
+            if not isinstance(whole, torch.Tensor) or whole.grad is None:
+                continue
+            if per_sample:
+                tensors.append(again)
+                grads.append(whole.grad[start : start + self.samples[i]])
+            elif last:
+                tensors.append(again)
+                grads.append(whole.grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+
+def model_streams() -> tuple:
+    """Where the model's next draws (dropout) come from: torch's streams on the CPU and the GPUs,
+    and Python's; draw_again(state) sets them back there, so that a forward run again draws what it
+    drew. No GPU work: a generator's state is kept on the host."""
+    gpus = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), gpus, random.getstate()
+
+
+def draw_again(state: tuple) -> None:
+    """The random streams set back to model_streams()'s state."""
+    cpu, gpus, python = state
+    torch.set_rng_state(cpu)
+    if gpus is not None:
+        torch.cuda.set_rng_state_all(gpus)
+    random.setstate(python)
 
 
 # ---- the approach ----

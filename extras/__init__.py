@@ -12,8 +12,7 @@ warnings filter). In the order a reader of distributed.py meets them:
 - samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
   as one process draws it, each rank its share of every global batch; validation's shares;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
-- batches: any batch of any task: counted, moved to the device, forwarded, its loss; a loss
-  over the whole global batch (whole_batch), over a step's micro-batches (Joined);
+- batches: a loss over the whole global batch (whole_batch), exact on any number of processes;
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;

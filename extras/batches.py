@@ -1,7 +1,7 @@
-"""Any batch of any task: counted as the samples collate received (Counted), moved to the device
-(batch_to_device), passed to the model (forward), its loss made a gradient's (loss_for_backward;
-a token count summed over the ranks); a loss over the whole batch (whole_batch), over a whole step
-of micro-batches (Joined); an epoch's loader (epoch_loader, steps_per_epoch, first_samples).
+"""A loss over the whole global batch (contrastive learning's in-batch negatives, CLIP): a user's
+compute_loss calls whole_batch on each rank's part of the outputs, which every rank then holds
+whole, its gradient sent back to each part (WholeBatch); distributed_grad_accum.py joins a step's
+micro-batches for it (its Joined, GradCache's step).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from utils import UsageError, tree_flatten, tree_unflatten, world_size
+from utils import UsageError, world_size
 
 
 class WholeBatch(torch.autograd.Function):
@@ -74,63 +74,3 @@ def whole_batch(part: torch.Tensor) -> torch.Tensor:
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-
-
-class Joined:
-    """A step's micro-batches' outputs (or targets) as one batch's, .whole, for a loss over the
-    whole step (GradCache; open_clip's --accum-freq): a tensor of a row per sample concatenated,
-    any other (a learned temperature) the first micro-batch's, which must be each one's. grad: each
-    floating-point tensor a leaf that the loss's backward leaves its gradient at, which
-    backward(i, outputs) sends back through micro-batch i's outputs computed again. The other
-    tensors are compared in the run's first step only (a GPU value read back), whose outputs are
-    made as every step's are."""
-
-    compared = False  # the first step's outputs (grad) were compared
-
-    def __init__(self, parts: list, samples: list[int], grad: bool = False):
-        self.samples = samples
-        flat = [tree_flatten(part) for part in parts]
-        if any(spec != flat[0][1] for _, spec in flat):
-            raise UsageError("the micro-batches' outputs differ in structure: they cannot join")
-        self.leaves, self.per_sample = [], []
-        for tensors in zip(*[leaves for leaves, _ in flat]):
-            whole = tensors[0]
-            per_sample = all(
-                isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == n
-                for t, n in zip(tensors, samples)
-            )
-            if per_sample:
-                whole = torch.cat(tensors)
-            elif (
-                not Joined.compared
-                and isinstance(whole, torch.Tensor)
-                and any(not whole.equal(t) for t in tensors)
-            ):
-                raise UsageError(
-                    f"a {tuple(whole.shape)} tensor of the outputs is neither a row per sample nor"
-                    " the same in every micro-batch: a loss over the whole step cannot join it"
-                )
-            if grad and isinstance(whole, torch.Tensor):
-                whole = whole.detach().requires_grad_(whole.is_floating_point())
-            self.leaves.append(whole)
-            self.per_sample.append(per_sample)
-        self.whole = tree_unflatten(self.leaves, flat[0][1])
-        Joined.compared = Joined.compared or grad
-
-    def backward(self, i: int, outputs) -> None:
-        """Micro-batch i's backward from its rows of the gradient at .whole (from the other
-        tensors' whole gradient in the last micro-batch, whose backward DDP all-reduces in)."""
-        start = sum(self.samples[:i])
-        last = i == len(self.samples) - 1
-        tensors, grads = [], []
-        for again, whole, per_sample in zip(tree_flatten(outputs)[0], self.leaves, self.per_sample):
-            if not isinstance(whole, torch.Tensor) or whole.grad is None:
-                continue
-            if per_sample:
-                tensors.append(again)
-                grads.append(whole.grad[start : start + self.samples[i]])
-            elif last:
-                tensors.append(again)
-                grads.append(whole.grad)
-        if tensors:
-            torch.autograd.backward(tensors, grads)

@@ -26,7 +26,6 @@ from utils import (
     local_ranks,
     local_shard,
     tree_flatten,
-    tree_map_only,
     tree_unflatten,
     world_size,
     write_atomically,
@@ -348,22 +347,6 @@ def cgroup_memory_left() -> float:
             dropped = dict(line.split() for line in stat.splitlines()).get(inactive, 0)
             left = min(left, int(bound) - int((folder / usage).read_text()) + int(dropped))
     return left
-
-
-def gather_on_rank_0(obj) -> list | None:
-    """Every rank calls it: every rank's obj, its tensors copied to the CPU, on rank 0 alone."""
-    obj = tree_map_only(torch.Tensor, to_cpu, obj)
-    if world_size() == 1:
-        return [obj]
-    objects = None
-    if dist.get_rank() == 0:
-        objects = [None] * dist.get_world_size()
-    dist.gather_object(obj, objects, dst=0)
-    return objects
-
-
-def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu()
 
 
 def dtensor_of(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

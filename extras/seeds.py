@@ -5,7 +5,7 @@ randomness inside the model (dropout) from (seed, rank, epoch, step) (seed_step)
 as one process draws its own for each sample, and a continued run draws what a straight one does;
 the loaders' workers from (seed, rank) (loader_generator); the generators a dataset keeps for
 itself reseeded per sample (own_generators); a collate's draws from its batch's place
-(SeededCollate); a forward run again drawing what it drew (model_streams, draw_again).
+(SeededCollate).
 """
 
 from __future__ import annotations
@@ -218,23 +218,6 @@ def sample_streams(reader, seed: int, *where):
             return
         yield sample
         count += 1
-
-
-def model_streams() -> tuple:
-    """Where the model's next draws (dropout) come from: torch's streams on the CPU and the GPUs,
-    and Python's; draw_again(state) sets them back there, so that a forward run again draws what it
-    drew. No GPU work: a generator's state is kept on the host."""
-    gpus = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), gpus, random.getstate()
-
-
-def draw_again(state: tuple) -> None:
-    """The random streams set back to model_streams()'s state."""
-    cpu, gpus, python = state
-    torch.set_rng_state(cpu)
-    if gpus is not None:
-        torch.cuda.set_rng_state_all(gpus)
-    random.setstate(python)
 
 
 def loader_generator(seed: int, rank: int) -> torch.Generator:
