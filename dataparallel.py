@@ -27,7 +27,6 @@ from extras import (
     optimizers,
     peaks,
     profiles,
-    samplers,
     scores,
     seeds,
     stalls,
@@ -169,7 +168,7 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
-    samplers.check_not_a_stream(user_sampler, train_set)
+    checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
@@ -191,6 +190,8 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: each batch
     # read as one, a repeat in the epoch as such (one line if it draws differently each time)
     elif user_sampler is not None:
+        from extras import samplers
+
         train_sampler = samplers.DrawnShares(user_sampler, args.batch_size, 0, 1, args.seed)
         train_sampler.check_drawn_alike()
         train_loader = DataLoader(

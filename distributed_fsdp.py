@@ -56,7 +56,6 @@ from extras import (
     optimizers,
     peaks,
     profiles,
-    samplers,
     scores,
     seeds,
     stalls,
@@ -297,7 +296,7 @@ def build_loaders(
     )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
-    samplers.check_not_a_stream(user_sampler, train_set)
+    checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     train_set = seeds.per_sample(train_set, args.seed)
@@ -325,6 +324,8 @@ def build_loaders(
         # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
         # its share of every global batch, read as one batch, a sample drawn again in the epoch as
         # its repeat (one line if its ranks would draw differently)
+        from extras import samplers
+
         train_sampler = samplers.DrawnShares(
             user_sampler, args.batch_size, rank, world_size, args.seed
         )

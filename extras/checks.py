@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from utils import (
@@ -432,3 +432,14 @@ def statistics_kept(model: nn.Module):
     with torch.no_grad():
         for buffer, kept in zip(model.buffers(), saved):
             buffer.copy_(kept)
+
+
+def check_not_a_stream(sampler, train_set) -> None:
+    """A stream has no indices to sample: one line where build_sampler returned a sampler for
+    one."""
+    if sampler is not None and isinstance(train_set, IterableDataset):
+        raise UsageError(
+            f"build_sampler returned a {type(sampler).__name__}, but the training set is a stream"
+            " (an IterableDataset), which has no indices to sample: return None, or a map-style"
+            " Dataset"
+        )

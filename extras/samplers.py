@@ -14,7 +14,7 @@ import itertools
 import operator
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from utils import UsageError, all_gather_objects, derive, drawn_from
 
@@ -189,14 +189,3 @@ def indices_of(item) -> int | list[int]:
 
 def digest(stream: list) -> str:
     return hashlib.blake2b(repr(stream).encode(), digest_size=16).hexdigest()
-
-
-def check_not_a_stream(sampler, train_set) -> None:
-    """A stream has no indices to sample: one line where build_sampler returned a sampler for
-    one."""
-    if sampler is not None and isinstance(train_set, IterableDataset):
-        raise UsageError(
-            f"build_sampler returned a {type(sampler).__name__}, but the training set is a stream"
-            " (an IterableDataset), which has no indices to sample: return None, or a map-style"
-            " Dataset"
-        )

@@ -832,21 +832,21 @@ def code_lines(path: Path) -> int:
 # rendezvous, DDP's flags and the validation record in utils/ once. None may grow without a reason
 # written here.
 SCRIPT_LINES = {
-    "dataparallel.py": 217 + 9 + 24,
+    "dataparallel.py": 217 + 10 + 24,
     # and the three scripts that had registered batches.CountWeights: PyTorch's bf16_compress_hook
     # for --comm-hook, its import (1; utils/ 43 fewer)
-    "distributed.py": 238 + 1 + 20 + 24,
-    "distributed_mp.py": 290 + 1 + 16 + 24,
-    "distributed_amp.py": 258 + 1 + 25 + 24,
+    "distributed.py": 238 + 1 + 21 + 24,
+    "distributed_mp.py": 290 + 1 + 17 + 24,
+    "distributed_amp.py": 258 + 1 + 26 + 24,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 19 + 29 + 50,
-    "distributed_fsdp.py": 410 + 20 + 24,
-    "distributed_diloco.py": 297 + 19 + 24 + 12,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50,
+    "distributed_fsdp.py": 410 + 21 + 24,
+    "distributed_diloco.py": 297 + 20 + 24 + 12,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
 # the blocks that import an extra where it is used (Slurm's and torchrun's elastic store at the
-# rendezvous, a batch the ranks do not divide, TensorBoard and W&B, --sync-bn on CPU, image
-# folders: 1 to 4 each), NCCL's Flight Recorder set where the script joins an NCCL group (2);
+# rendezvous, a batch the ranks do not divide, your sampler, TensorBoard and W&B, --sync-bn on
+# CPU, image folders: 1 to 4 each), NCCL's Flight Recorder set where the script joins an NCCL group (2);
 # AMP's loss_scale, out of utils/ (5); the loop written out, extras/loops.py's EpochSteps gone (24;
 # accumulation's micro-batches on the device, 29); what one script alone uses moved into it out of
 # the extras every copy holds (accumulation's Joined, model_streams and draw_again, 50; DiLoCo's
@@ -875,7 +875,7 @@ def statements(path: Path) -> int:
 EXTRAS_IMPORTING_EXTRAS: dict[str, set[str]] = {}
 # The extras a script still imports at its top rather than in the block that uses them: a ratchet toward none.
 EXTRAS_AT_THE_TOP = {
-    *"checkpoints checks metrics optimizers peaks profiles samplers scores seeds stalls workers".split(),
+    *"checkpoints checks metrics optimizers peaks profiles scores seeds stalls workers".split(),
     "batches",  # distributed_grad_accum.py's micro-batches
 }
 # What a user copies (distributed.py, utils.py and every extra), in statements (../shared/tools/statements): the
