@@ -349,11 +349,11 @@ def changed_copy(script: str, directory: Path, blocking: bool) -> str:
     shutil.copy(ROOT / script, directory)
     copy_core(ROOT, directory)
     agreement = "self.flags, dist.ReduceOp.MAX, self.group, True)"
-    watching = 'threading.Thread(target=self.watch, name="watchdog", daemon=True).start()'
+    watching = 'threading.Thread(target=self.watch, name="watchdog", daemon=True)'
     name, old, new = (
         ("utils.py", agreement, agreement.replace("True", "False"))
         if blocking
-        else ("extras/stalls.py", watching, "pass  # no watchdog thread")
+        else ("extras/stalls.py", watching, watching.replace("self.watch", "lambda: None"))
     )
     source = (directory / name).read_text()
     assert old in source, (
