@@ -19,6 +19,7 @@ fork never copies a lock another thread holds, and reports each child's exit sta
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -238,15 +239,38 @@ def run_as_main(code, file: str | None) -> None:
     main.__builtins__ = builtins
     main.__spec__ = None
     sys.modules["__main__"] = main
+    status = 0
     try:
         exec(code, main.__dict__)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        status = e.code
     except BaseException as e:
         e.with_traceback(e.__traceback__.tb_next)
         sys.excepthook(type(e), e, e.__traceback__)
-        sys.exit(1)
-    sys.exit(0)
+        status = 1
+    exit_without_teardown(status)
+
+
+def exit_without_teardown(status) -> None:
+    """What Python's exit does first (the threads that are not daemons joined, the atexit handlers
+    run, the streams flushed), then the process ends without the teardown of torch's modules: a
+    second a process of the suite's time (a user's run pays it, as every PyTorch program does)."""
+    import atexit
+
+    code = 0
+    if isinstance(status, int):
+        code = status
+    elif status is not None:  # sys.exit("message"): said, and status 1
+        sys.stderr.write(f"{status}\n")
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 # ---- what a warm rank would start afresh: its DataLoader workers' forkserver, mp.spawn's ranks ----
