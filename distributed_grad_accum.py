@@ -512,7 +512,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         # micro-batch's loss by its part of them
         run.samples = (None, utils.samples_in_step(run.train_loader.sampler, step, args.batch_size))
         samples = sum(n for n, _ in batch)
-        micro_batches = on_device(run, loader, batch, epoch, step)
+        micro_batches = micro_batches_on_device(run, loader, batch, epoch, step)
         # a loss over the whole batch needs every micro-batch's outputs before the first backward
         if run.whole_batch:
             result = train_step_over_whole_batch(run, micro_batches)
@@ -547,7 +547,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     return meter.epoch_record()
 
 
-def on_device(run: Training, loader: DataLoader, batch: tuple, epoch: int, step: int):
+def micro_batches_on_device(run: Training, loader: DataLoader, batch: tuple, epoch: int, step: int):
     """The step's micro-batches, each (inputs, targets, samples) on the device as it comes, its
     random draws keyed by (epoch, micro-step)."""
     first = (step - 1) * run.args.accum_steps + 1

@@ -114,9 +114,11 @@ def worker_start(workers: int):
 
 
 def kill_workers() -> None:
-    """SIGKILL to this process's DataLoader workers still running."""
+    """SIGKILL to this process's DataLoader workers still running (daemonic children: a process
+    of the user's own is left to multiprocessing)."""
     for child in multiprocessing.active_children():
-        child.kill()
+        if child.daemon:
+            child.kill()
 
 
 def start_forkserver(folders: list[str]) -> None:

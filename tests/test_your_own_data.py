@@ -880,7 +880,7 @@ EXTRAS_AT_THE_TOP = {
 }
 # What a user copies (distributed.py, utils.py and every extra), in statements (../shared/tools/statements): the
 # issue on the minimal copy bounds it by 2,989, its figure before the core was one file.
-COPY_STATEMENTS = 2972
+COPY_STATEMENTS = 2973
 
 
 def test_the_core_and_its_extras_wired_in_plain_sight():
