@@ -35,12 +35,8 @@ from extras import (
     checks,
     metrics,
     optimizers,
-    peaks,
-    profiles,
-    scores,
     seeds,
     stalls,
-    workers,
 )
 from utils import UsageError, log
 
@@ -240,19 +236,25 @@ def build_loaders(
     train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
 ) -> tuple[DataLoader, DataLoader]:
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its
-    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
-    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
-    # (gloo's) could deadlock a forked child
+    # structure
     common = dict(
         collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=workers.init_worker,
-        multiprocessing_context=workers.worker_start(args.workers),
         # the workers' seeds from (seed, rank): the global random stream stays the model's
         generator=seeds.loader_generator(args.seed, rank),
     )
+    # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
+    # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
+    # ranks agree on and saves, and end with it (extras/workers.py)
+    if args.workers:
+        from extras import workers
+
+        common.update(
+            worker_init_fn=workers.init_worker,
+            multiprocessing_context=workers.worker_start(args.workers),
+        )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
     checks.check_not_a_stream(user_sampler, train_set)
@@ -439,7 +441,7 @@ class Training:
     stop: utils.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
-    val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
@@ -485,7 +487,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             global_step % args.inner_steps == 0
             or global_step == args.epochs * recorder.steps_per_epoch
         ):
-            recorder.phases.enter(profiles.OUTER)  # timed as a phase of its own
+            recorder.phases.enter("outer")  # timed as a phase of its own
             run.diloco.step(global_step)
             run.ema.update()  # --ema: the average moves toward the synchronised weights
         # its loss and accuracy added up, and the other numbers it returned
@@ -539,7 +541,6 @@ def evaluate(run: Training) -> dict:
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     meter = metrics.Meter(run.device, top5=True)
-    run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
@@ -548,13 +549,17 @@ def evaluate(run: Training) -> dict:
         )
         loss, outputs = eval_step(run, module, inputs, targets)
         meter.update(loss, outputs, targets, num_samples)
-        run.val_metrics.update(outputs, targets)
+        if run.val_metrics is not None:
+            run.val_metrics.update(outputs, targets)
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
     dist.all_reduce(sums)
-    # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
-    # ranks' samples
-    return {**meter.validation_record(sums), **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes)
+    record = meter.validation_record(sums)
+    # all-gathers, every rank: your metrics over all ranks' samples
+    if run.val_metrics is not None:
+        record.update(run.val_metrics.compute())
+    return record
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -622,9 +627,12 @@ def main(teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(
-        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
-    )
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # --workers N: a stalled rank's report says what its DataLoader workers are doing
+    if args.workers:
+        from extras import workers
+
+        watchdog.worker_stacks = workers.worker_stacks
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -670,25 +678,39 @@ def main(teardown: ExitStack) -> None:
     optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(
-        device, torch.float32, args.peak_tflops, world_size, convolutions
-    )
-    # this rank's time in each phase of a step (data, forward + loss, backward, optimizer, the
-    # outer step), gathered at each record, which names a rank slower than the others
-    step_phases = profiles.StepPhases(device, outer=True)
-    # the phases marked by the model's forward hook and the optimizer's step hook
-    step_phases.watch(model, optimizer)
-    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
+    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
+    # its GPUs for this precision (extras/peaks.py)
+    peak_tflops = None
+    if device.type == "cuda" or args.peak_tflops:
+        from extras import peaks
+
+        peak_tflops = peaks.peak_tflops(
+            device, torch.float32, args.peak_tflops, world_size, convolutions
+        )
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
-    # your metrics (build_metrics), on this device; --keep-best must name a validation value
-    val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
-    checks.check_keep_best(args, val_metrics.names(), num_classes)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
+    # --phases: this rank's time in each phase of a step (data, forward + loss, backward, optimizer,
+    # the outer step), marked by the model's forward hook and the optimizer's step hook, gathered at
+    # each record, which names a rank slower than the others; --profile A:B: torch.profiler over
+    # those optimizer steps, the phases as ranges, a trace a rank (extras/profiles.py)
+    if args.phases or args.profile:
+        from extras import profiles
+
+        recorder.phases = profiles.StepPhases(device, outer=True)
+        recorder.phases.watch(model, optimizer)
+        teardown.enter_context(
+            profiles.StepProfiler(args.profile, recorder.phases, output_dir, rank)
+        )
+    # your metrics (build_metrics), over every validation sample once (extras/scores.py)
+    val_metrics = build_metrics(args, num_classes) or None
+    if val_metrics is not None:
+        from extras import scores
+
+        val_metrics = scores.UserMetrics(val_metrics, device)
+    checks.check_keep_best(args, val_metrics, num_classes)  # it must name a validation value
     run = Training(
         args=args,
         model=model,
@@ -744,8 +766,9 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
+        record["mfu"] = record["tflops"] / peak_tflops if peak_tflops else None
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():

@@ -54,12 +54,8 @@ from extras import (
     checks,
     metrics,
     optimizers,
-    peaks,
-    profiles,
-    scores,
     seeds,
     stalls,
-    workers,
 )
 from utils import UsageError, log
 
@@ -151,7 +147,7 @@ def train_step(run: Training, inputs, targets) -> dict:
         )
     # each rank updates its shard; float16: skipped on every rank if one overflowed; the
     # optimizer's phase, also of a step GradScaler skips (its step hook would not run)
-    run.recorder.phases.enter(profiles.OPTIMIZER)
+    run.recorder.phases.enter("optimizer")
     scaler.step(optimizer)
     scaler.update()
     # freed now: the next forward, validation and saves need no gradients
@@ -281,19 +277,25 @@ def build_loaders(
     train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
 ) -> tuple[DataLoader, DataLoader]:
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its
-    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
-    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
-    # (gloo's) could deadlock a forked child
+    # structure
     common = dict(
         collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=workers.init_worker,
-        multiprocessing_context=workers.worker_start(args.workers),
         # the workers' seeds from (seed, rank): the global random stream stays the model's
         generator=seeds.loader_generator(args.seed, rank),
     )
+    # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
+    # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
+    # ranks agree on and saves, and end with it (extras/workers.py)
+    if args.workers:
+        from extras import workers
+
+        common.update(
+            worker_init_fn=workers.init_worker,
+            multiprocessing_context=workers.worker_start(args.workers),
+        )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
     checks.check_not_a_stream(user_sampler, train_set)
@@ -428,18 +430,15 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
     return model
 
 
-def gigabytes(params) -> float:
-    return sum(p.numel() * p.element_size() for p in params) / 1e9
-
-
 def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -> None:
     """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or
     its share of the host's); a state that cannot fit ends the run in one line here, not by the
     out-of-memory killer mid-step.
     """
     # On the meta device: sizes only.
-    whole = gigabytes(model.parameters())
-    grads = gigabytes(p for p in model.parameters() if p.requires_grad) / shards
+    gigabytes = {p: p.numel() * p.element_size() / 1e9 for p in model.parameters()}
+    whole = sum(gigabytes.values())
+    grads = sum(size for p, size in gigabytes.items() if p.requires_grad) / shards
     state = [
         whole / shards,
         grads,
@@ -450,8 +449,10 @@ def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -
     # what the host has available (on rank 0's node also the model rank 0 built, freed once
     # sharded), shared
     else:
-        available = checkpoints.host_memory_available() / 1e9
-        free = (available + whole * (dist.get_rank() < utils.local_ranks())) / utils.local_ranks()
+        free = (
+            checkpoints.host_memory_available() / 1e9
+            + whole * (dist.get_rank() < utils.local_ranks())
+        ) / utils.local_ranks()
     line = (
         f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
         f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
@@ -526,7 +527,7 @@ class Training:
     saves: checkpoints.Saves  # every rank's shards, written while training goes on
     save_group: dist.ProcessGroup  # the sharded save's collectives, run by the writing thread
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
-    val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss) -> None:
@@ -612,7 +613,6 @@ def evaluate(run: Training) -> dict:
     for buffer in run.model.eval().buffers():
         dist.broadcast(buffer, 0)
     meter = metrics.Meter(run.device, top5=True)
-    run.val_metrics.reset()
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
@@ -632,15 +632,19 @@ def evaluate(run: Training) -> dict:
         loss, outputs = eval_step(run, run.model, inputs, targets)
         if num_samples:
             meter.update(loss, outputs, targets, num_samples)
-            run.val_metrics.update(outputs, targets)
+            if run.val_metrics is not None:
+                run.val_metrics.update(outputs, targets)
     # the root keeps its weights gathered after forward, for a backward: free them
     utils.unwrap(run.model).reshard()
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
     dist.all_reduce(sums)
-    # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
-    # ranks' samples
-    return {**meter.validation_record(sums), **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes)
+    record = meter.validation_record(sums)
+    # all-gathers, every rank: your metrics over all ranks' samples
+    if run.val_metrics is not None:
+        record.update(run.val_metrics.compute())
+    return record
 
 
 def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGroup) -> None:
@@ -722,13 +726,10 @@ def training_state(run: Training) -> dict:
     the rest once. An optimizer without state (no step taken yet) saves none: asked for it, PyTorch
     would make one with a step of its own. Every rank calls it (an all-reduce of the records)."""
     module, optimizer = utils.unwrap(run.model), run.optimizer
-    optimizer_state = (
-        {"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}
-    )
     return {
         # a tied head once
         "model": checkpoints.without_ties(get_model_state_dict(module), module),
-        **optimizer_state,
+        **({"optimizer": get_optimizer_state_dict(module, optimizer)} if optimizer.state else {}),
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         # all-reduce, every rank: the epoch's sums over all ranks
@@ -816,9 +817,12 @@ def main(teardown: ExitStack) -> None:
             shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(
-        stalls.Watchdog(args.timeout, output_dir, rank, worker_stacks=workers.worker_stacks)
-    )
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # --workers N: a stalled rank's report says what its DataLoader workers are doing
+    if args.workers:
+        from extras import workers
+
+        watchdog.worker_stacks = workers.worker_stacks
     # every rank's shards written by a thread while training goes on, its collectives over a
     # group of their own (the CPU's): a failed write ends every rank at the next step; the run
     # ends once they are written
@@ -846,12 +850,12 @@ def main(teardown: ExitStack) -> None:
         f" {args.batch_size} = {split}, {args.optimizer} peak lr"
         f" {args.lr:.4g}, weight decay {args.weight_decay:g}, compute in"
         f" {amp_dtype or torch.float32}, {args.replicate} x {world_size // args.replicate} shards"
-    )
-    if args.cpu_offload and device.type == "cpu":
-        log.info(
-            "--cpu-offload: on CPU processes the state is in host memory already; trained as"
-            " without it"
+        + (
+            "; --cpu-offload: on CPU processes the state is in host memory already"
+            if args.cpu_offload and device.type == "cpu"
+            else ""
         )
+    )
 
     # fixed input size: cuDNN times and picks its fastest kernels
     torch.backends.cudnn.benchmark = True
@@ -901,26 +905,40 @@ def main(teardown: ExitStack) -> None:
     scaler = ShardedGradScaler(
         device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
     )
-    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(
-        device, amp_dtype or torch.float32, args.peak_tflops, world_size, convolutions
-    )
-    # this rank's time in each phase of a step (data, forward + loss and backward with their
-    # all-gathers and reduce-scatters, optimizer), gathered at each record, which names a rank
-    # slower than the others in its data or optimizer step
-    step_phases = profiles.StepPhases(device)
-    # the phases marked by the model's forward hook and the optimizer's step hook
-    step_phases.watch(model, optimizer)
-    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
+    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
+    # its GPUs for this precision (extras/peaks.py)
+    peak_tflops = None
+    if device.type == "cuda" or args.peak_tflops:
+        from extras import peaks
+
+        peak_tflops = peaks.peak_tflops(
+            device, amp_dtype or torch.float32, args.peak_tflops, world_size, convolutions
+        )
     # --ema: a moving average of this rank's shards, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
-    # your metrics (build_metrics), on this device; --keep-best must name a validation value
-    val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
-    checks.check_keep_best(args, val_metrics.names(), num_classes)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
+    # --phases: this rank's time in each phase of a step (data, forward + loss and backward with
+    # their all-gathers and reduce-scatters, optimizer), marked by the model's forward hook and the
+    # optimizer's step hook, gathered at each record, which names a rank slower than the others;
+    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    # (extras/profiles.py)
+    if args.phases or args.profile:
+        from extras import profiles
+
+        recorder.phases = profiles.StepPhases(device)
+        recorder.phases.watch(model, optimizer)
+        teardown.enter_context(
+            profiles.StepProfiler(args.profile, recorder.phases, output_dir, rank)
+        )
+    # your metrics (build_metrics), over every validation sample once (extras/scores.py)
+    val_metrics = build_metrics(args, num_classes) or None
+    if val_metrics is not None:
+        from extras import scores
+
+        val_metrics = scores.UserMetrics(val_metrics, device)
+    checks.check_keep_best(args, val_metrics, num_classes)  # it must name a validation value
     run = Training(
         args=args,
         model=model,
@@ -972,8 +990,9 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
+        record["mfu"] = record["tflops"] / peak_tflops if peak_tflops else None
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)
         with utils.errors_shared_by_all_ranks():

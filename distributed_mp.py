@@ -1,12 +1,8 @@
-"""DDP started by torch.multiprocessing.spawn: no launcher needed.
+"""DDP started by torch.multiprocessing.spawn, one process per GPU: no launcher needed.
 
-    python distributed_mp.py --dataset cifar100                    # one process per GPU
-    python distributed_mp.py --nproc 2 --dataset fake              # two CPU processes
-    python distributed_mp.py --nodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500   # on node 0
-    python distributed_mp.py --nodes 2 --node-rank 1 --ip 10.0.0.1 --port 29500   # on node 1
-
-This script starts its own processes, one per GPU, and each joins the group
-at tcp://IP:PORT.
+    python distributed_mp.py --dataset cifar100               # they meet at tcp://127.0.0.1:PORT
+    python distributed_mp.py --nproc 2 --dataset fake --fake-size 1024 --image-size 16  # 2 CPU ones
+    python distributed_mp.py --nodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500  # node 1: rank 1
 
 Each process trains a full copy of the model on its shard of every batch;
 DDP averages the gradients over all processes during backward(), so every
@@ -16,6 +12,7 @@ copy takes the same optimizer step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,7 +20,7 @@ import os
 import signal
 import socket
 import sys
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,14 +39,10 @@ from extras import (
     checks,
     metrics,
     optimizers,
-    peaks,
-    profiles,
-    scores,
     seeds,
     stalls,
-    workers,
 )
-from utils import first_line, log
+from utils import log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
 # project samples, measures or uses a frozen model in its own way), and the steps if you like ----
@@ -152,16 +145,14 @@ def parse_args():
     parser.add_argument(
         "--nproc",
         type=int,
-        default=None,
-        help="processes on this node (default: one per GPU, or 1 without GPUs)",
+        default=torch.cuda.device_count() or 1,
+        help="processes on this node: one per GPU, or 1 without GPUs",
     )
     parser.add_argument("--nodes", type=int, default=1, help="number of machines")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
     args = utils.check_args(parser.parse_args())
-    if args.nodes < 1 or (args.nproc is not None and args.nproc < 1):
+    if args.nodes < 1 or args.nproc < 1:
         parser.error("--nodes and --nproc must be at least 1")
-    if args.nproc is None:
-        args.nproc = torch.cuda.device_count() or 1
     if args.nodes > 1 and (args.ip is None or args.port is None) and args.dist_url is None:
         parser.error("--nodes > 1 needs --ip and --port of node 0, the same on every node")
     if not 0 <= args.node_rank < args.nodes:
@@ -173,8 +164,7 @@ def parse_args():
 
 def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.device]:
     """Join the process group: (rank, local rank, world size, device)."""
-    rank = args.node_rank * args.nproc + local_rank
-    world_size = args.nodes * args.nproc
+    rank, world_size = args.node_rank * args.nproc + local_rank, args.nodes * args.nproc
     os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun sets it: one download per machine
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)  # before any CUDA work, or all ranks crowd GPU 0
@@ -186,7 +176,8 @@ def setup_distributed(local_rank: int, args) -> tuple[int, int, int, torch.devic
     if backend == "nccl":
         # NCCL's Flight Recorder: each rank's last collectives, for a stalled rank's stalls/ folder
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    init_method = args.dist_url or f"tcp://{args.ip or '127.0.0.1'}:{args.port}"
+    # --dist-url, --ip and --port, env:// under torchrun; else a store of this process's own
+    init_method = utils.init_method(args)
     timeout = timedelta(seconds=args.timeout)
     with utils.init_errors_as_one_line(init_method):
         store = utils.rendezvous_store(init_method, rank, world_size, timeout)
@@ -212,19 +203,25 @@ def build_loaders(
     train_set, val_set, batch_per_rank: int, args, rank: int, world_size: int, device
 ) -> tuple[DataLoader, DataLoader]:
     # each batch comes as (samples, batch): counted as the samples collate received, whatever its
-    # structure; workers leave SIGTERM to this process, which stops at a step all ranks agree on,
-    # saves, and ends them; they start from a forkserver, not a fork of this process, whose threads
-    # (gloo's) could deadlock a forked child
+    # structure
     common = dict(
         collate_fn=utils.Counted(collate),
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        worker_init_fn=workers.init_worker,
-        multiprocessing_context=workers.worker_start(args.workers),
         # the workers' seeds from (seed, rank): the global random stream stays the model's
         generator=seeds.loader_generator(args.seed, rank),
     )
+    # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
+    # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
+    # ranks agree on and saves, and end with it (extras/workers.py)
+    if args.workers:
+        from extras import workers
+
+        common.update(
+            worker_init_fn=workers.init_worker,
+            multiprocessing_context=workers.worker_start(args.workers),
+        )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
     checks.check_not_a_stream(user_sampler, train_set)
@@ -329,7 +326,7 @@ class Training:
     stop: utils.StopSignal  # the step every rank stops, or saves, after
     watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
-    val_metrics: scores.UserMetrics  # build_metrics': over every validation sample once
+    val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
@@ -418,7 +415,6 @@ def evaluate(run: Training) -> dict:
     for buffer in module.buffers():
         dist.broadcast(buffer, 0)
     meter = metrics.Meter(run.device, top5=True)
-    run.val_metrics.reset()
     # a batch this rank cannot read (a bad file) ends its loop, and validation_record() every rank
     for num_samples, batch in meter.read(run.val_loader):
         run.watchdog.batch()  # progress: a validation batch
@@ -427,13 +423,17 @@ def evaluate(run: Training) -> dict:
         )
         loss, outputs = eval_step(run, module, inputs, targets)
         meter.update(loss, outputs, targets, num_samples)
-        run.val_metrics.update(outputs, targets)
+        if run.val_metrics is not None:
+            run.val_metrics.update(outputs, targets)
     # this rank's loss, hits and samples, one tensor; every rank: the sums over all ranks
     sums = meter.local_sums()
     dist.all_reduce(sums)
-    # val_loss, val_acc (val_acc5 from 5 classes); all-gathers, every rank: your metrics over all
-    # ranks' samples
-    return {**meter.validation_record(sums), **run.val_metrics.compute()}
+    # val_loss, val_acc (val_acc5 from 5 classes)
+    record = meter.validation_record(sums)
+    # all-gathers, every rank: your metrics over all ranks' samples
+    if run.val_metrics is not None:
+        record.update(run.val_metrics.compute())
+    return record
 
 
 def save_checkpoint(run: Training, epoch: int, step: int) -> None:
@@ -477,8 +477,7 @@ def save_best(run: Training) -> None:
 
 
 def worker(local_rank: int, args, lines) -> None:
-    """One spawned process; its one-line error (or a stall's) goes to the parent, which prints it (a
-    stop it prints itself)."""
+    """One spawned process: its error's line (or a stall's) goes to the parent, which prints it."""
     utils.run_main(functools.partial(train, local_rank, args, lines.put), say=lines.put)
 
 
@@ -494,9 +493,12 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
-    watchdog = teardown.enter_context(
-        stalls.Watchdog(args.timeout, output_dir, rank, say, worker_stacks=workers.worker_stacks)
-    )
+    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank, say))
+    # --workers N: a stalled rank's report says what its DataLoader workers are doing
+    if args.workers:
+        from extras import workers
+
+        watchdog.worker_stacks = workers.worker_stacks
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -559,25 +561,40 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     optimizer = optimizers.build_optimizer(model, args)
     scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    # each epoch's line: TFLOP/s, and MFU over the dense peak of its GPUs for this precision
-    peak_tflops = peaks.peak_tflops(
-        device, torch.float32, args.peak_tflops, world_size, convolutions
-    )
-    # this rank's time in each phase of a step (data, forward + loss, backward, wait for the other
-    # ranks, optimizer), gathered at each record, which names a rank slower than the others
-    step_phases = profiles.StepPhases(device)
-    # the phases marked by the model's forward hook and the optimizer's step hook
-    step_phases.watch(model, optimizer)
-    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
-    teardown.enter_context(profiles.StepProfiler(args.profile, step_phases, output_dir, rank))
+    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
+    # its GPUs for this precision (extras/peaks.py)
+    peak_tflops = None
+    if device.type == "cuda" or args.peak_tflops:
+        from extras import peaks
+
+        peak_tflops = peaks.peak_tflops(
+            device, torch.float32, args.peak_tflops, world_size, convolutions
+        )
     # --ema: a moving average of the weights, validated and saved beside them
     ema = optimizers.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
-    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, step_phases, saves)
-    # your metrics (build_metrics), on this device; --keep-best must name a validation value
-    val_metrics = scores.UserMetrics(build_metrics(args, num_classes), device)
-    checks.check_keep_best(args, val_metrics.names(), num_classes)
+    recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
+    # --phases: this rank's time in each phase of a step (data, forward + loss, backward, wait for
+    # the other ranks, optimizer), marked by the model's forward hook and the optimizer's step hook,
+    # gathered at each record, which names a rank slower than the others; --profile A:B:
+    # torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    # (extras/profiles.py)
+    if args.phases or args.profile:
+        from extras import profiles
+
+        recorder.phases = profiles.StepPhases(device)
+        recorder.phases.watch(model, optimizer)
+        teardown.enter_context(
+            profiles.StepProfiler(args.profile, recorder.phases, output_dir, rank)
+        )
+    # your metrics (build_metrics), over every validation sample once (extras/scores.py)
+    val_metrics = build_metrics(args, num_classes) or None
+    if val_metrics is not None:
+        from extras import scores
+
+        val_metrics = scores.UserMetrics(val_metrics, device)
+    checks.check_keep_best(args, val_metrics, num_classes)  # it must name a validation value
     run = Training(
         args=args,
         model=model,
@@ -630,8 +647,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            **peaks.tflops_and_mfu(flops_per_sample, record["images_per_s"], peak_tflops),
+            tflops=flops_per_sample * record["images_per_s"] / 1e12,
         )
+        record["mfu"] = record["tflops"] / peak_tflops if peak_tflops else None
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():
@@ -649,10 +667,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
 
 
 def free_port() -> int:
-    """A free port from 28000 to 32767 where one is: below the ports new connections get."""
-    # up to 100 ports from where this process's id falls; then whatever port the kernel gives
+    """A free port of 100 from 28000 + pid % 4000 (below those new connections get), else any."""
     for port in [*range(28000 + os.getpid() % 4000, 32768)[:100], 0]:
-        with suppress(OSError), socket.create_server(("127.0.0.1", port)) as s:
+        with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port)) as s:
             return s.getsockname()[1]
 
 
@@ -663,15 +680,13 @@ def pass_on(children: mp.ProcessContext, signum: int, frame) -> None:
 
 
 def main(teardown: ExitStack) -> None:
-    """The parent: one process per GPU, and the first line any of them said (it holds nothing for
-    teardown to close)."""
+    """The parent: one process per GPU, and the first line any of them said."""
     args = parse_args()
     if args.port is None and args.dist_url is None:
         args.port = free_port()  # one node: any free port will do
     lines = mp.get_context("spawn").SimpleQueue()
     children = mp.spawn(worker, args=(args, lines), nprocs=args.nproc, join=False)
-    # our one line, not its notes
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our line, not its
 
     # pass a preemption on: the children stop together and save
     for signum in (signal.SIGTERM, signal.SIGUSR1):
@@ -683,11 +698,10 @@ def main(teardown: ExitStack) -> None:
         # stopped by a signal: the children said where
         if getattr(e, "exit_code", 0) > 128 and lines.empty():
             sys.exit(e.exit_code)
-        # a child killed by a signal (the OOM killer, say) is the cause; the others' errors follow
-        # from it
+        # a child killed by a signal (the OOM killer): the cause of the others' errors
         killed = isinstance(e, mp.ProcessExitedException) and e.signal_name
         if killed or lines.empty():
-            sys.exit(f"error: {first_line(e)}")
+            sys.exit(f"error: {utils.first_line(e)}")
         sys.exit(lines.get())
 
 

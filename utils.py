@@ -854,12 +854,17 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
         " a table of known GPUs; none on a CPU)",
     )
     add(
+        "--phases",
+        action="store_true",
+        help="time each phase of a step (data, forward, backward, wait, optimizer) on every rank:"
+        " each record's phase_ms, and a rank slower than the others named",
+    )
+    add(
         "--profile",
         default=None,
         metavar="A:B",
         help="torch.profiler over optimizer steps A to B of the run (default: off), the step's"
-        " phases marked: a"
-        " Chrome trace a rank in OUTPUT_DIR/profile/",
+        " phases marked: a Chrome trace a rank in OUTPUT_DIR/profile/",
     )
     add("--compile", action="store_true", help="compile the model with torch.compile")
     add(

@@ -401,11 +401,12 @@ def check_output_dir(path: Path) -> None:
     tempfile.TemporaryFile(dir=path).close()
 
 
-def check_keep_best(args, metric_names: list[str], num_classes: int) -> None:
+def check_keep_best(args, user_metrics, num_classes: int) -> None:
     """--keep-best NAME: one line at the start where no validation will have NAME, with the names
-    there are."""
+    there are (user_metrics: scores.UserMetrics, or None)."""
     if args.keep_best is None:
         return
+    metric_names = user_metrics.names() if user_metrics is not None else []
     names = ["val_loss", "val_acc", *metric_names]
     if num_classes >= 5:
         names.insert(2, "val_acc5")

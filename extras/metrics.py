@@ -370,12 +370,15 @@ class Meter:
 
 
 class NoPhases:
-    """A step's phases where none are timed (profiles.StepPhases times them): none to record."""
+    """A step's phases where none are timed (--phases: profiles.StepPhases'): none to record."""
 
     def begin(self) -> None:
         pass
 
-    pause = batch_arrived = batch_asked = begin
+    pause = batch_arrived = batch_asked = new_step = begin
+
+    def enter(self, phase: str) -> None:
+        pass
 
     def read(self) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64)
@@ -395,7 +398,8 @@ class StepRecords:
         self, output_dir: Path, args, rank: int, steps_per_epoch: int, phases=None, saves=None
     ):
         self.path = output_dir / "steps.jsonl"
-        self.phases = phases
+        # each step's phases (--phases: profiles.StepPhases), or none timed
+        self.phases = phases or NoPhases()
         # checkpoints.Saves: a record that finds the disk full waits for the checkpoint written
         self.saves = saves
         self.args = args

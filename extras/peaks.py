@@ -51,16 +51,13 @@ def peak_tflops(
     convolutions: float = 0.0,
 ) -> float | None:
     """The peak a run's MFU is measured against, over its devices: given (--peak-tflops, a
-    device's), or the table's for this GPU and the run's precision; says which, or why there is
-    none, once. In float32, convolutions (their share of the FLOPs: first_step_flops) run in
-    TF32 where cuDNN allows it (its default), matmuls only where the matmul precision does
+    device's), or the table's for this GPU (a CUDA device) and the run's precision; says which, or
+    why there is none, once. In float32, convolutions (their share of the FLOPs: first_step_flops)
+    run in TF32 where cuDNN allows it (its default), matmuls only where the matmul precision does
     ("high"; PyTorch's default "highest" runs them in float32): each part at its own peak."""
     if given:
         log.info(f"mfu over {devices} x {given:g} TFLOP/s (--peak-tflops)")
         return devices * given
-    if device.type != "cuda":
-        log.info(f"no mfu: no known peak TFLOP/s for {device.type} (give one with --peak-tflops)")
-        return None
     name = torch.cuda.get_device_name(device)
     peak = known_peak(name, dtype, torch.backends.cuda.matmul.allow_tf32)
     if peak is None:
@@ -72,11 +69,3 @@ def peak_tflops(
         peak = 1 / (convolutions / convolution_peak + (1 - convolutions) / peak)
     log.info(f"mfu over {devices} x {peak:.4g} TFLOP/s, the dense {dtype} peak of {name}")
     return devices * peak
-
-
-def tflops_and_mfu(flops_per_sample: float, samples_per_s: float, peak: float | None) -> dict:
-    """An epoch record's achieved TFLOP/s, and its MFU where the peak is known."""
-    tflops = flops_per_sample * samples_per_s / 1e12
-    if peak is None:
-        return dict(tflops=tflops)
-    return dict(tflops=tflops, mfu=tflops / peak)

@@ -125,9 +125,11 @@ class StepPhases:
         event.record()
         return event
 
-    def enter(self, phase: int, module: nn.Module | None = None) -> None:
-        """phase begins and the one before it ends, its time kept (between epochs, or in an
-        evaluation's forward, nothing)."""
+    def enter(self, phase: int | str, module: nn.Module | None = None) -> None:
+        """phase (or its name: "optimizer") begins and the one before it ends, its time kept
+        (between epochs, or in an evaluation's forward, nothing)."""
+        if isinstance(phase, str):
+            phase = PHASES.index(phase)
         if self.phase in (None, phase) or (module is not None and not module.training):
             return
         now = self.now()

@@ -22,8 +22,6 @@ class UserMetrics:
 
     def __init__(self, metrics, device: torch.device):
         # A MetricCollection: the names are its own.
-        if metrics is None:
-            metrics = {}
         if not isinstance(metrics, dict):
             if not hasattr(metrics, "keys"):
                 raise UsageError(
@@ -77,10 +75,6 @@ class UserMetrics:
                 names += [f"val_{key}" for key in metric.keys()]
         return names
 
-    def reset(self) -> None:
-        for metric in self.metrics.values():
-            metric.reset()
-
     def update(self, outputs, targets) -> None:
         """A validation batch of this rank: nothing read back here."""
         scores = logits(outputs)
@@ -89,7 +83,7 @@ class UserMetrics:
 
     def compute(self) -> dict:
         """Every rank calls it (torchmetrics' all-gathers): val_<name> of every metric, over all
-        ranks."""
+        ranks; then each starts again, for the next validation."""
         self.shape_empty_states()
         values = {}
         for name, metric in self.metrics.items():
@@ -102,6 +96,7 @@ class UserMetrics:
             for key, item in value.items():
                 full = "_".join(part for part in ("val", name, key) if part)
                 values[full] = as_number(item)
+            metric.reset()
         return values
 
 

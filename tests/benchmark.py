@@ -12,7 +12,7 @@ of them alike; the language-model rows every other round backwards); each run's 
 apart, and the later ones are measured. Prints a markdown table, the ratios
 that show where time goes and what the scripts gain over the textbook loop
 (tests/textbook.py), and a line naming the hardware, the PyTorch version and
-the command. It lives beside the tests because it drives the scripts exactly as they do.
+the command. The scripts run with --phases (off by default), for the table of their phases. It lives beside the tests because it drives the scripts exactly as they do.
 """
 
 from __future__ import annotations
@@ -269,8 +269,11 @@ def workload(args) -> list[str]:
 
 
 def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
-    """Run one case; returns the epochs of every process that wrote metrics (two for a pair)."""
+    """Run one case; returns the epochs of every process that wrote metrics (two for a pair). The scripts run with
+    --phases, for the table of where each step's time goes (the textbook loop times none)."""
     flags = [*common, *case.flags]
+    if case.script != "tests/textbook.py":
+        flags.append("--phases")
     if case.blocking or case.unwatched:
         case = Case(
             case.name,

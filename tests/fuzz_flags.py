@@ -107,6 +107,7 @@ VALUES = {
     "--timeout": (["60"], ["0", "-1"]),
     "--channels-last": SWITCH,
     "--peak-tflops": (["100"], ["0", "-1"]),
+    "--phases": SWITCH,
     "--profile": (["1:2"], ["2:1", "x"]),
     "--compile-mode": (["default"], ["fastest"]),
     "--output-dir": (["{dir}/out"], ["{file}/out"]),

@@ -633,6 +633,7 @@ def no_syncs(tmp: Path) -> None:
                 "1",
                 "--workers",
                 "1",
+                "--phases",
                 *flags,
                 "--output-dir",
                 folder / "out",

@@ -18,7 +18,7 @@ import distributed
 import processes
 from extras import builtin
 import utils
-from extras import scores, slurm
+from extras import slurm
 
 from processes import (
     PYTHON,
@@ -344,7 +344,7 @@ def test_validation_uses_rank_0s_batch_norm_statistics_on_every_rank(tmp_path):
             args=args,
             device=torch.device("cpu"),
             watchdog=watchdog,
-            val_metrics=scores.UserMetrics({}, torch.device("cpu")),
+            val_metrics=None,
         )
         scored = distributed.evaluate(training)
     finally:

@@ -114,8 +114,8 @@ SCRIPTS = {
     "distributed_amp.py": ["--amp-dtype", "bfloat16"],
     "distributed_fsdp.py": [],
 }
-# 32 steps: records at steps 10, 20, 30 and 32 (the last)
-FLAGS = [*TINY, "--epochs", "1", "--workers", "1"]
+# 32 steps: records at steps 10, 20, 30 and 32 (the last); the phases timed too (--phases), read at a record only
+FLAGS = [*TINY, "--epochs", "1", "--workers", "1", "--phases"]
 
 
 @pytest.fixture(scope="module")
