@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -484,6 +485,13 @@ def main(teardown: ExitStack) -> None:
         from extras import workers
 
         watchdog.worker_stacks = workers.worker_stacks
+    # on a terminal, rank 0's live line while anything runs: the step of steps and the time left, a
+    # validation's batches, a save, the start (extras/live.py); --no-live-line leaves it out
+    live_line = None
+    if rank == 0 and sys.stderr.isatty() and not args.no_live_line:
+        from extras import live
+
+        live_line = teardown.enter_context(live.LiveLine(watchdog, args.epochs))
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
@@ -560,11 +568,9 @@ def main(teardown: ExitStack) -> None:
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
-    # --phases: this rank's time in each phase of a step (data, forward + loss, backward, wait for
-    # the other ranks, optimizer), marked by the model's forward hook and the optimizer's step hook,
-    # gathered at each record, which names a rank slower than the others; --profile A:B:
-    # torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
-    # (extras/profiles.py)
+    # --phases: each rank's time a step in data, forward + loss, backward, the wait for the other
+    # ranks and the optimizer, read at each record, which names a slower rank; --profile A:B also
+    # writes a torch.profiler trace a rank of those steps (extras/profiles.py)
     if args.phases or args.profile:
         from extras import profiles
 
@@ -573,6 +579,8 @@ def main(teardown: ExitStack) -> None:
         teardown.enter_context(
             profiles.StepProfiler(args.profile, recorder.phases, output_dir, rank)
         )
+    if live_line is not None:  # what it shows of training and validation
+        live_line.show(recorder, val_loader)
     # your metrics (build_metrics), over every validation sample once (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
     if val_metrics is not None:
@@ -625,6 +633,7 @@ def main(teardown: ExitStack) -> None:
         record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
+        tflops = flops_per_sample * record["images_per_s"] / 1e12  # and mfu on a GPU
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -632,9 +641,9 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+            tflops=tflops,
+            mfu=tflops / peak_tflops if peak_tflops else None,
         )
-        record["mfu"] = record["tflops"] / peak_tflops if peak_tflops else None
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never
         with utils.errors_shared_by_all_ranks():

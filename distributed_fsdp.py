@@ -919,10 +919,9 @@ def main(teardown: ExitStack) -> None:
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
-    # --phases: this rank's time in each phase of a step (data, forward + loss and backward with
-    # their all-gathers and reduce-scatters, optimizer), marked by the model's forward hook and the
-    # optimizer's step hook, gathered at each record, which names a rank slower than the others;
-    # --profile A:B: torch.profiler over those optimizer steps, the phases as ranges, a trace a rank
+    # --phases: each rank's time a step in data, forward + loss and backward (with their
+    # all-gathers and reduce-scatters) and the optimizer, read at each record, which names a slower
+    # rank; --profile A:B also writes a torch.profiler trace a rank of those steps
     # (extras/profiles.py)
     if args.phases or args.profile:
         from extras import profiles
@@ -983,6 +982,7 @@ def main(teardown: ExitStack) -> None:
         record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
+        tflops = flops_per_sample * record["images_per_s"] / 1e12  # and mfu on a GPU
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -990,9 +990,9 @@ def main(teardown: ExitStack) -> None:
             lr=optimizer.param_groups[0]["lr"],
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
-            tflops=flops_per_sample * record["images_per_s"] / 1e12,
+            tflops=tflops,
+            mfu=tflops / peak_tflops if peak_tflops else None,
         )
-        record["mfu"] = record["tflops"] / peak_tflops if peak_tflops else None
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)
         with utils.errors_shared_by_all_ranks():

@@ -854,6 +854,12 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
         " a table of known GPUs; none on a CPU)",
     )
     add(
+        "--no-live-line",
+        action="store_true",
+        help="no live line on a terminal (rank 0's step of steps and time left, rewritten in place"
+        " about once a second; never where standard error is a pipe or a file)",
+    )
+    add(
         "--phases",
         action="store_true",
         help="time each phase of a step (data, forward, backward, wait, optimizer) on every rank:"
@@ -937,10 +943,8 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     positive = (args.timeout, args.clip_grad, args.save_minutes, args.peak_tflops)
     if any(value is not None and not value > 0 for value in positive):
         raise UsageError("--timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0")
-    if any(value is not None and not value >= 0 for value in (args.lr, args.momentum)):
-        raise UsageError("--lr and --momentum must be >= 0")
-    if args.weight_decay is not None and not args.weight_decay >= 0:
-        raise UsageError("--weight-decay must be >= 0")
+    if any(v is not None and not v >= 0 for v in (args.lr, args.momentum, args.weight_decay)):
+        raise UsageError("--lr, --momentum and --weight-decay must be >= 0")
     if args.port is not None and not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port: give 1 to 65535")
     if not 0 <= args.warmup < 1:

@@ -7,6 +7,7 @@ warnings filter). In the order a reader of distributed.py meets them:
   (its workers restarted, nodes that join);
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
+- live: a terminal's live line on rank 0 (the step of steps, the time left), rewritten in place;
 - seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
   dropout from (seed, rank, epoch, step), never from which rank or worker draws;
 - samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
@@ -21,8 +22,8 @@ warnings filter). In the order a reader of distributed.py meets them:
 - scores: a project's own validation metrics (build_metrics, torchmetrics') over every
   validation sample once;
 - peaks: the GPUs' dense peak TFLOP/s that an epoch's MFU is measured against;
-- profiles: where a step's time goes: its phases on every rank, the slow rank named, and
-  --profile A:B, torch.profiler over those steps, a trace a rank;
+- profiles: where a step's time goes (--phases): its phases on every rank, the slow rank named,
+  and --profile A:B, torch.profiler over those steps, a trace a rank;
 - sinks: TensorBoard and Weights & Biases, fed the same records;
 - checkpoints: files written whole (in the background: Saves; FSDP's shards too), checkpoints
   read by rank 0 and sent to all, restore, a tied parameter saved once;

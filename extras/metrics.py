@@ -394,12 +394,10 @@ class StepRecords:
     steps; a continued run's records go on as if it had never stopped. Every rank builds it (its
     W&B run id is gathered from all)."""
 
-    def __init__(
-        self, output_dir: Path, args, rank: int, steps_per_epoch: int, phases=None, saves=None
-    ):
+    def __init__(self, output_dir: Path, args, rank: int, steps_per_epoch: int, saves=None):
         self.path = output_dir / "steps.jsonl"
-        # each step's phases (--phases: profiles.StepPhases), or none timed
-        self.phases = phases or NoPhases()
+        # each step's phases (--phases: profiles.StepPhases, set by the script), or none timed
+        self.phases = NoPhases()
         # checkpoints.Saves: a record that finds the disk full waits for the checkpoint written
         self.saves = saves
         self.args = args
@@ -416,6 +414,7 @@ class StepRecords:
         }
         self.meter = None
         self.sinks = []
+        self.last = {}  # the last record's values (a terminal's live line shows them)
 
     def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
         saved = None
@@ -534,6 +533,7 @@ class StepRecords:
         global_step = epoch * self.steps_per_epoch + step
         # the processes that took the step: an elastic run's change shows
         values = {**values, "world_size": world_size()}
+        self.last = values
         # A full disk ends every rank with one line.
         with errors_shared_by_all_ranks():
             # One writer: the numbers are all ranks' already (the others log warnings only).

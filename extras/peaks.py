@@ -58,6 +58,8 @@ def peak_tflops(
     if given:
         log.info(f"mfu over {devices} x {given:g} TFLOP/s (--peak-tflops)")
         return devices * given
+    if device.type != "cuda":  # no table of CPUs
+        return None
     name = torch.cuda.get_device_name(device)
     peak = known_peak(name, dtype, torch.backends.cuda.matmul.allow_tf32)
     if peak is None:

@@ -50,8 +50,8 @@ GRACE = datetime.timedelta(seconds=30)
 class Watchdog(contextlib.AbstractContextManager):
     """Watches this rank's progress from a thread of its own, and ends every rank of a stalled
     run; a context manager, closed as main ends. say: where the stall's line goes (stderr, or
-    distributed_mp.py's parent); worker_stacks: what this rank's DataLoader workers are doing
-    (workers.worker_stacks; none without it)."""
+    distributed_mp.py's parent). Its worker_stacks, what this rank's DataLoader workers are doing,
+    are none until a script sets workers.worker_stacks there."""
 
     def __init__(
         self,
@@ -59,12 +59,11 @@ class Watchdog(contextlib.AbstractContextManager):
         output_dir: Path,
         rank: int,
         say: Callable[[str], object] = write_line,
-        worker_stacks: Callable[[], list] = list,
     ):
         self.timeout = timeout
         self.say = say
         # this rank's DataLoader workers' stacks, (pid, frames, text) each: workers.worker_stacks
-        self.worker_stacks = worker_stacks
+        self.worker_stacks: Callable[[], list] = list
         self.stacks_dir = Path(output_dir) / "stalls"
         self.rank = rank
         self.world_size = world_size()
@@ -72,6 +71,7 @@ class Watchdog(contextlib.AbstractContextManager):
         # Where this rank is: the last training batch's (epoch, step), None before training.
         self.epoch_step: tuple[int, int] | None = None
         self.validating = False
+        self.val_batches = 0  # the validation's batches so far
         # The save in progress: the path it names, the file or folder that grows, its size.
         self.saving: Path | None = None
         self.growing: Path | None = None
@@ -108,6 +108,7 @@ class Watchdog(contextlib.AbstractContextManager):
         """A batch arrived: of training, at (epoch, step); of validation, with no arguments."""
         self.note_progress()
         self.validating = epoch is None and self.epoch_step is not None
+        self.val_batches = self.val_batches + 1 if self.validating else 0
         if epoch is not None:
             self.epoch_step = (epoch, step)
 

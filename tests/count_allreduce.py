@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
 import utils  # noqa: E402
-from extras import checkpoints, metrics, optimizers, profiles, stalls  # noqa: E402
+from extras import checkpoints, metrics, optimizers, stalls  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -50,11 +50,7 @@ def main(teardown):
         stop=utils.StopSignal(),
         watchdog=teardown.enter_context(stalls.Watchdog(args.timeout, Path(args.output_dir), rank)),
         recorder=metrics.StepRecords(
-            Path(args.output_dir),
-            args,
-            rank,
-            len(loader) // args.accum_steps,
-            profiles.StepPhases(device),
+            Path(args.output_dir), args, rank, len(loader) // args.accum_steps
         ),
         val_metrics=None,
         saves=teardown.enter_context(checkpoints.Saves()),

@@ -108,6 +108,7 @@ VALUES = {
     "--channels-last": SWITCH,
     "--peak-tflops": (["100"], ["0", "-1"]),
     "--phases": SWITCH,
+    "--no-live-line": SWITCH,
     "--profile": (["1:2"], ["2:1", "x"]),
     "--compile-mode": (["default"], ["fastest"]),
     "--output-dir": (["{dir}/out"], ["{file}/out"]),

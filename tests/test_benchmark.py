@@ -1,11 +1,17 @@
 """The benchmark's quick mode runs end to end and prints its table, ratios and chart (speed is not checked)."""
 
+import argparse
+import json
 import math
+import subprocess
 import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
 
 import benchmark
 
-from processes import PYTHON, run
+from processes import PYTHON, RunFailed, run
 
 
 def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
@@ -119,3 +125,34 @@ def test_the_language_model_benchmark_prints_every_row_its_ratios_and_chart(tmp_
     assert any(line.startswith("Hardware: ") for line in result.stdout.splitlines())
     bars = ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}rect")[1:]
     assert len(bars) == len(rows) and len({bar.get("fill") for bar in bars}) == 2
+
+
+def test_a_peer_that_aborts_at_its_exit_after_its_figures_keeps_its_row(tmp_path, monkeypatch):
+    """A language-model peer whose rank aborts at its exit once its figures are written (gloo's teardown under
+    Trainer: "terminate called without an active exception") keeps its row, the abort said in one line beside the
+    table; a peer that wrote no figures still fails the benchmark."""
+    figures = [{"epoch_time_s": 1.0, "samples_per_s": 2.0, "train_loss": 3.0, "peak_mem_mb": 4.0}]
+
+    def aborting(cmd, timeout, env, check):
+        out = Path(cmd[cmd.index("--output-dir") + 1])
+        if "trainer" in cmd:
+            (out / "epochs.json").write_text(json.dumps(figures))
+        said = "[rank1]: its figures written\nterminate called without an active exception\n"
+        return subprocess.CompletedProcess(cmd, 134, "", said)
+
+    monkeypatch.setattr(benchmark, "run", aborting)
+    monkeypatch.setattr(benchmark, "ABORTED", [])
+    args = argparse.Namespace(batch_size=8, epochs=2, fake_size=16)
+    (tmp_path / "kept").mkdir()
+    kept = benchmark.run_lm_case(
+        ("Trainer", "trainer", [], "bfloat16"), args, 2, {}, tmp_path / "kept"
+    )
+    assert kept == figures
+    assert benchmark.ABORTED == [
+        "trainer exited 134 after its figures (terminate called without an active exception): row kept"
+    ]
+    (tmp_path / "lost").mkdir()
+    with pytest.raises(RunFailed, match="accelerate exited 134"):
+        benchmark.run_lm_case(
+            ("Accelerate", "accelerate", [], "bfloat16"), args, 2, {}, tmp_path / "lost"
+        )

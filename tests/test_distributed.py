@@ -133,6 +133,7 @@ VARYING = {
     r"\d+\\\.\d+": r"[-+.e\d]+",  # in any of format(x, ".4g")'s forms: 1234, 0.0123, 1.2e-05
     r"\d+(?=\\ img/s)": r"\d+",
     r"(?<=data_wait_rank\\ )\d+": r"\d+",
+    r"(?<=peak_mem_mb\\ )\d+(?=\\ )": r"[-+.e\d]+",  # 4 digits: 986.2, or 1019
     r"(?<=left\\ )\d+:\d+:\d+": r"\d+:\d+:\d+",
 }
 
@@ -252,6 +253,8 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
     )
     tmp_path = tmp_path / "out"
     assert "world size 2" in result.stdout
+    # standard error a pipe: no live line (extras/live.py), no carriage return
+    assert "\r" not in result.stdout + result.stderr
     records = metrics(tmp_path)
     final = records[-1]
     assert final["val_acc"] >= 0.9 and final["val_acc_ema"] >= 0.9, (
@@ -261,6 +264,21 @@ def test_the_readme_main_job_learns_from_the_files_a_user_copies(tmp_path):
     for line in readme_sample_lines():
         shown = printed_as(line)
         assert re.search(f"^{shown}$", result.stdout, re.M), (line, result.stdout)
+    # and each line printed one the README shows, its figures and epoch aside: no line of the project's own
+    # that the README lacks (a warning about its own recipe)
+    shapes = [
+        re.sub(r"epoch\\ \d+/", lambda _: r"epoch\ \d+/", printed_as(line))
+        for line in readme_sample_lines()
+    ]
+    unshown = [
+        line
+        for line in result.stdout.splitlines()
+        if not any(re.fullmatch(shape, line) for shape in shapes)
+    ]
+    assert not unshown, unshown
+    # and on standard error torchrun's note (that it sets OMP_NUM_THREADS) alone: no warning
+    said = [line for line in result.stderr.splitlines() if "torch/distributed/run.py" not in line]
+    assert not [line for line in said if line.strip()], result.stderr
     # a record's time left is the run's: after epoch 1 of 3, two epochs' worth
     first = re.search(
         r"^epoch 1/3 step 16/16 train_loss .* left (\d+):(\d+):(\d+)$", result.stdout, re.M
@@ -492,8 +510,14 @@ BAD_INPUTS = {
     ),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
     # found by tests/fuzz_flags.py: PyTorch's own ValueError and KeyError, each a traceback
-    "negative momentum": (lambda t: ["--momentum", "-1"], "--lr and --momentum must be >= 0"),
-    "negative weight decay": (lambda t: ["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    "negative momentum": (
+        lambda t: ["--momentum", "-1"],
+        "--lr, --momentum and --weight-decay must be >= 0",
+    ),
+    "negative weight decay": (
+        lambda t: ["--weight-decay", "-1"],
+        "--lr, --momentum and --weight-decay must be >= 0",
+    ),
     "a timeout that is no number": (lambda t: ["--timeout", "nan"], "--timeout, --clip-grad"),
     "a port out of range": (
         lambda t: ["--port", "70000"],
