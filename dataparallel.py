@@ -525,6 +525,12 @@ def main(teardown: ExitStack) -> None:
             from extras import sinks
 
             recorder.sinks = sinks.started(args, recorder)
+    # rank 0's picture of the run, curves.svg beside steps.jsonl, drawn again at each validation
+    # (extras/curves.py)
+    if rank == 0:
+        from extras import curves
+
+        recorder.sinks.append(curves.Curves(recorder.path))
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):

@@ -25,6 +25,7 @@ warnings filter). In the order a reader of distributed.py meets them:
 - profiles: where a step's time goes (--phases): its phases on every rank, the slow rank named,
   and --profile A:B, torch.profiler over those steps, a trace a rank;
 - sinks: TensorBoard and Weights & Biases, fed the same records;
+- curves: the run's picture, curves.svg beside steps.jsonl, drawn by rank 0 at each validation;
 - checkpoints: files written whole (in the background: Saves; FSDP's shards too), checkpoints
   read by rank 0 and sent to all, restore, a tied parameter saved once;
 - builtin: the demo data and models (--dataset, --arch), which a user's own functions replace;

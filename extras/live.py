@@ -120,7 +120,7 @@ class LiveLine(contextlib.AbstractContextManager):
         step = -(-step // getattr(args, "accum_steps", 1))
         done, total = epoch * steps + step, self.epochs * steps
         parts = [f"epoch {epoch + 1}/{self.epochs} step {step}/{steps} {100 * done / total:.0f}%"]
-        last = self.recorder.last
+        last = self.recorder.last_values
         if "train_loss" in last:  # all ranks', as the last training record has them
             self.speed = last["images_per_s"]
             self.loss = f"loss {last['train_loss']:.4f} {self.speed:.0f} samples/s"

@@ -414,7 +414,7 @@ class StepRecords:
         }
         self.meter = None
         self.sinks = []
-        self.last = {}  # the last record's values (a terminal's live line shows them)
+        self.last_values = {}  # the last record's (a terminal's live line shows them)
 
     def meter_for_epoch(self, device: torch.device, first_step: int) -> Meter:
         saved = None
@@ -533,7 +533,7 @@ class StepRecords:
         global_step = epoch * self.steps_per_epoch + step
         # the processes that took the step: an elastic run's change shows
         values = {**values, "world_size": world_size()}
-        self.last = values
+        self.last_values = values
         # A full disk ends every rank with one line.
         with errors_shared_by_all_ranks():
             # One writer: the numbers are all ranks' already (the others log warnings only).

@@ -235,6 +235,7 @@ def test_a_full_disk_ends_every_rank_with_one_line_and_loses_nothing(small_disk,
         assert "enforce fail" not in failed.stderr
         assert sorted(p.name for p in out.iterdir()) == [
             "checkpoint.pt",
+            "curves.svg",
             "metrics.jsonl",
             "model_ema.pt",
             "steps.jsonl",

@@ -92,6 +92,22 @@ def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
     }
 
 
+def assert_curves_equal_the_records(output_dir) -> None:
+    """curves.svg (extras/curves.py) parses as SVG and holds a curve for each of the training loss, the validation
+    loss and accuracy, the learning rate and samples/s, with a point for each record of steps.jsonl that has it."""
+    import xml.etree.ElementTree as ET
+
+    records = steps(output_dir)
+    lines = (
+        ET.parse(output_dir / "curves.svg").getroot().iter("{http://www.w3.org/2000/svg}polyline")
+    )
+    drawn = {line.get("data-series"): len(line.get("points").split()) for line in lines}
+    keys = ["train_loss", "val_loss", "val_acc", "lr", "images_per_s"]
+    assert drawn == {k: sum(isinstance(r.get(k), (int, float)) for r in records) for k in keys}, (
+        drawn
+    )
+
+
 def assert_tensorboard_equals_the_records(output_dir) -> None:
     records, scalars = steps(output_dir), tensorboard_scalars(output_dir)
     # the numbers (not the phase table or the slow rank); the position is the points' step
@@ -119,7 +135,8 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
     write, in the background, may not have ended: then the one before), and continued by the same command: the
     records after the checkpoint are written again, once; the first record after
     it, which spans it, equals the straight run's too (the checkpoint keeps its sums); TensorBoard purges what the
-    continued run rewrites; W&B, which lost what it got last before the kill, holds every record of the run."""
+    continued run rewrites; W&B, which lost what it got last before the kill, holds every record of the run, and so
+    does the run's picture, curves.svg."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", KILLED_AT_A_KNOWN_STEP)
     runs = {
         name: (
@@ -166,11 +183,13 @@ def test_a_run_killed_between_checkpoints_continues_its_records_exactly(tmp_path
         assert (
             len(list((out / "tensorboard").iterdir())) == 2
         )  # one event file a run; the reader purges the first's
+        assert_curves_equal_the_records(out)  # the whole run, each step once
         assert_wandb_equals_the_records(
             out, runs=2
         )  # the same run, continued: every record, in order
     assert_tensorboard_equals_the_records(tmp_path / "straight")
     assert_wandb_equals_the_records(tmp_path / "straight", runs=1)
+    assert_curves_equal_the_records(tmp_path / "straight")
 
 
 @pytest.mark.parametrize("package", ["tensorboard", "wandb"])
