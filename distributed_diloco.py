@@ -713,7 +713,8 @@ def main(teardown: ExitStack) -> None:
         )
     if live_line is not None:  # what it shows of training and validation
         live_line.show(recorder, val_loader)
-    # your metrics (build_metrics), over every validation sample once (extras/scores.py)
+    # your metrics (build_metrics; its {}: none), over every validation sample once
+    # (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
     if val_metrics is not None:
         from extras import scores
@@ -774,7 +775,8 @@ def main(teardown: ExitStack) -> None:
         record = train_one_epoch(run, epoch, steps_done if epoch == start_epoch else 0)
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
-        tflops = flops_per_sample * record["images_per_s"] / 1e12  # and mfu on a GPU
+        # the epoch's TFLOP/s, and its mfu where the GPUs' peak is known
+        tflops = flops_per_sample * record["images_per_s"] / 1e12
         record = dict(
             epoch=epoch + 1,
             **record,
