@@ -22,6 +22,7 @@ import errno
 import functools
 import os
 import shutil
+import sys
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -263,13 +264,7 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
         )
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
     if device.type == "cpu":
-        average = torch.zeros(1)
-        dist.reduce_scatter_tensor(average, torch.ones(world_size), op=dist.ReduceOp.AVG)
-        if average.item() != 1:
-            raise UsageError(
-                f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes"
-                " would train wrong: use a newer PyTorch (2.15 is tested)"
-            )
+        checks.check_gloo_averages(world_size)
     return rank, local_rank, world_size, device
 
 
@@ -582,9 +577,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
                 validate(run, epoch, step)
             run.model.train()
         # this point of the epoch: the same command continues from here (after a signal, when
-        # --save-minutes' timer fired on some rank, every --save-every steps)
-        timer = run.stop.save_timer_fired()  # and it starts again
-        if signum or timer or (args.save_every and step % args.save_every == 0):
+        # --save-minutes' timer fired on some rank, then timing again, every --save-every steps)
+        if (
+            signum
+            or run.stop.save_timer_fired()
+            or (args.save_every and step % args.save_every == 0)
+        ):
             with meter.paused():
                 save_checkpoint(run, epoch, step)
         if signum:
@@ -689,11 +687,8 @@ def latest_checkpoint(directory: Path, rank: int) -> str | None:
     """The last complete sharded checkpoint, as rank 0 sees it: checkpoint/, or checkpoint.old/
     after a kill between save_sharded's two renames; None if there is none."""
     old = directory.with_name(directory.name + ".old")
-    path = [
-        next((str(d) for d in (directory, old) if rank == 0 and (d / ".metadata").exists()), None)
-    ]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
+    found = (str(d) for d in (directory, old) if rank == 0 and (d / ".metadata").exists())
+    return utils.all_gather_objects(next(found, None))[0]  # rank 0's
 
 
 def load_sharded(
@@ -797,8 +792,7 @@ def save_best(run: Training) -> None:
         # copied before the swap back (one process's gathered weights are the model's own)
         with utils.errors_shared_by_all_ranks():
             if dist.get_rank() == 0:
-                path = Path(run.args.output_dir) / "model_best.pt"
-                run.saves.save(weights, path, run.watchdog)
+                run.saves.save(weights, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
 
 def main(teardown: ExitStack) -> None:
@@ -808,13 +802,12 @@ def main(teardown: ExitStack) -> None:
     # from here SIGTERM and SIGUSR1 finish the step, save and exit; every --save-minutes, a save
     stop = utils.StopSignal(args.save_minutes)
     output_dir = Path(args.output_dir)
-    checkpoint_dir = output_dir / "checkpoint"
     # before data and model: a bad path fails at once, on every rank
     with utils.errors_shared_by_all_ranks():
         if rank == 0:
             checks.check_output_dir(output_dir)
             # a killed write's
-            shutil.rmtree(checkpoint_dir.with_name("checkpoint.new"), ignore_errors=True)
+            shutil.rmtree(output_dir / "checkpoint.new", ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends
     watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
@@ -823,6 +816,13 @@ def main(teardown: ExitStack) -> None:
         from extras import workers
 
         watchdog.worker_stacks = workers.worker_stacks
+    # on a terminal, rank 0's live line while anything runs: the step of steps and the time left, a
+    # validation's batches, a save, the start (extras/live.py); --no-live-line leaves it out
+    live_line = None
+    if rank == 0 and sys.stderr.isatty() and not args.no_live_line:
+        from extras import live
+
+        live_line = teardown.enter_context(live.LiveLine(watchdog, args.epochs))
     # every rank's shards written by a thread while training goes on, its collectives over a
     # group of their own (the CPU's): a failed write ends every rank at the next step; the run
     # ends once they are written
@@ -931,6 +931,8 @@ def main(teardown: ExitStack) -> None:
         teardown.enter_context(
             profiles.StepProfiler(args.profile, recorder.phases, output_dir, rank)
         )
+    if live_line is not None:  # what it shows of training and validation
+        live_line.show(recorder, val_loader)
     # your metrics (build_metrics; its {}: none), over every validation sample once
     # (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
@@ -958,7 +960,7 @@ def main(teardown: ExitStack) -> None:
         val_metrics=val_metrics,
     )
 
-    path = latest_checkpoint(checkpoint_dir, rank)
+    path = latest_checkpoint(output_dir / "checkpoint", rank)
     start_epoch, steps_done = 0, 0
     if path:
         state = training_state(run)
@@ -976,6 +978,12 @@ def main(teardown: ExitStack) -> None:
             from extras import sinks
 
             recorder.sinks = sinks.started(args, recorder)
+    # rank 0's picture of the run, curves.svg beside steps.jsonl, drawn again at each validation
+    # (extras/curves.py)
+    if rank == 0:
+        from extras import curves
+
+        recorder.sinks.append(curves.Curves(recorder.path))
 
     last_epoch = min(args.epochs, start_epoch + (args.stop_after or args.epochs))
     for epoch in range(start_epoch, last_epoch):

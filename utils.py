@@ -125,8 +125,9 @@ class Stopped(Exception):
 
 def write_line(line: str) -> None:
     """A line on stderr in one write(): print() writes the newline apart, so the lines of ranks
-    failing at once could run together."""
-    sys.stderr.write(f"{line}\n")
+    failing at once could run together. On a terminal the line the cursor is on is cleared first:
+    where rank 0's live line stands (extras/live.py), another rank's line replaces it."""
+    sys.stderr.write(("\r\033[K" if sys.stderr.isatty() else "") + f"{line}\n")
 
 
 def run_main(
@@ -143,7 +144,7 @@ def run_main(
         with contextlib.ExitStack() as teardown:
             main(teardown)
     except Stopped as e:
-        sys.stderr.write(f"{e}\n")
+        write_line(str(e))
         exit_code = 128 + e.signum  # as a shell reports a process ended by that signal
     except UsageError as e:
         line = f"error: {e}"
@@ -156,7 +157,7 @@ def run_main(
         if line is None:
             # A bug, the user's or ours: its traceback in one write (print_exc writes it a line
             # at a time, and the ranks that raise at once would interleave theirs).
-            sys.stderr.write(traceback.format_exc())
+            write_line(traceback.format_exc().rstrip("\n"))
             exit_code = 1
     finally:
         # A line to say: torchrun's SIGTERM, sent once another rank has ended with the same error,

@@ -401,6 +401,20 @@ def check_output_dir(path: Path) -> None:
     tempfile.TemporaryFile(dir=path).close()
 
 
+def check_gloo_averages(world_size: int) -> None:
+    """FSDP averages the gradients with reduce_scatter(AVG), which PyTorch 2.8's gloo sums: one
+    line there, where CPU processes would train W times the gradient. Every rank calls it."""
+    average = torch.zeros(1)
+    torch.distributed.reduce_scatter_tensor(
+        average, torch.ones(world_size), op=torch.distributed.ReduceOp.AVG
+    )
+    if average.item() != 1:
+        raise UsageError(
+            f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes"
+            " would train wrong: use a newer PyTorch (2.15 is tested)"
+        )
+
+
 def check_keep_best(args, user_metrics, num_classes: int) -> None:
     """--keep-best NAME: one line at the start where no validation will have NAME, with the names
     there are (user_metrics: scores.UserMetrics, or None)."""

@@ -1,6 +1,7 @@
 """The run's picture: rank 0 draws steps.jsonl as curves.svg beside it at each validation and each
 epoch's end: the training and validation loss, the validation accuracy (or your first metric), the
-learning rate and samples/s, against the optimizer step. A file of a few KB written whole, with no
+learning rate and samples/s, against the optimizer step; with --phases, each rank's phases in the
+last record that measured them, a bar a rank. A file of a few KB written whole, with no
 plotting package; a continued run's steps.jsonl holds the whole run, each step once, and so does
 its picture. Open it in a browser, from a cluster's file system too.
 """
@@ -16,6 +17,7 @@ from utils import write_atomically
 
 WIDTH, HEIGHT, LEFT, TOP = 720, 140, 70, 34  # pixels: the picture, a panel, the margins
 COLOURS = ["#1f77b4", "#d62728"]
+PHASE_COLOURS = ["#8c564b", "#1f77b4", "#ff7f0e", "#bbbbbb", "#2ca02c", "#9467bd"]  # data ... outer
 
 
 class Curves:
@@ -58,6 +60,10 @@ def svg(records: list[dict]) -> str:
         if points:
             out += panel(points, top, last, log_scale, title)
             top += HEIGHT + TOP
+    timed = [r for r in records if r.get("phase_ms")]
+    if timed:
+        bars, bottom = phase_bars(timed[-1], top)
+        out, top = out + bars, bottom + 12
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{top}"'
         f' font-family="sans-serif">{"".join(out)}</svg>\n'
@@ -116,3 +122,39 @@ def panel(points: dict, top: int, last: int, log_scale: bool, title: str) -> lis
             f' fill="{colour}">{escape(key)}</text>'
         )
     return out
+
+
+def phase_bars(record: dict, top: int) -> tuple[list[str], int]:
+    """A record's phases (ms a step): a stacked bar a rank, a rectangle a phase (data-rank and
+    data-phase name it) as wide as its time, the phases in a step's order; the slow rank named.
+    And the y of the legend, the panel's last line."""
+    phases = record["phase_ms"]
+    ranks = len(next(iter(phases.values())))
+    longest = max(sum(times[rank] for times in phases.values()) for rank in range(ranks)) or 1.0
+    scale, bar = (WIDTH - LEFT - 20) / longest, max(3, min(18, 2 * HEIGHT // ranks))
+    slow = record.get("slow")
+    said = f"rank {slow['rank']} slow: {slow['phase']}" if slow else "no rank slow"
+    when = f"step {record['global_step']}" if "global_step" in record else "the epoch"
+    title = f"each rank's phases ({when}), ms a step, 0 to {longest:.1f}; {said}"
+    out = [f'<text x="{LEFT}" y="{top - 8}" font-size="13">{escape(title)}</text>']
+    for rank in range(ranks):
+        x, y = LEFT, top + rank * (bar + 2)
+        if bar >= 10:
+            out.append(
+                f'<text x="{LEFT - 6}" y="{y + bar - 3}" font-size="11" text-anchor="end">'
+                f"rank {rank}</text>"
+            )
+        for (name, times), colour in zip(phases.items(), PHASE_COLOURS):
+            width = times[rank] * scale
+            out.append(
+                f'<rect data-rank="{rank}" data-phase="{escape(name)}" x="{x:.2f}" y="{y}"'
+                f' width="{width:.2f}" height="{bar}" fill="{colour}"><title>rank {rank}'
+                f" {escape(name)} {times[rank]:.2f} ms</title></rect>"
+            )
+            x += width
+    legend = " ".join(
+        f'<tspan fill="{colour}">&#9644; {escape(name)}</tspan>'
+        for name, colour in zip(phases, PHASE_COLOURS)
+    )
+    bottom = top + ranks * (bar + 2) + 14
+    return [*out, f'<text x="{LEFT}" y="{bottom}" font-size="11">{legend}</text>'], bottom

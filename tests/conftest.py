@@ -163,7 +163,7 @@ def turn(alone: bool):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before the test's fixtures: its scripts start warm (tests/warm_ranks.py), unless it is marked
+    """Before the test's fixtures: its scripts start warm (tools/warm_ranks.py), unless it is marked
     real_launch (a test of the launch itself: torchrun, its agent, a README command)."""
     processes.WARM = processes.WARM_BY_DEFAULT and item.get_closest_marker("real_launch") is None
 

@@ -20,7 +20,7 @@ def test_quick_benchmark_prints_the_table_ratios_and_chart(tmp_path):
     result = run(
         [
             PYTHON,
-            "tests/benchmark.py",
+            "tools/benchmark.py",
             "--quick",
             "--repeats",
             "1",
@@ -89,7 +89,7 @@ def test_the_language_model_benchmark_prints_every_row_its_ratios_and_chart(tmp_
     result = run(
         [
             PYTHON,
-            "tests/benchmark.py",
+            "tools/benchmark.py",
             "--lm",
             "--quick",
             "--repeats",

@@ -39,7 +39,7 @@ from processes import (
     warm_starts,
     weights,
 )
-from test_your_own_data import copy_core, copy_with_your_functions
+from projects import copy_core, copy_with_your_functions
 
 
 def test_two_processes_equal_one_with_twice_the_batch(reference):
@@ -510,7 +510,7 @@ BAD_INPUTS = {
         "was written with --arch tiny, not --arch resnet18",
     ),
     "unreachable rendezvous": (lambda t: ["--port", free_port(), "--timeout", "3"], "timed out"),
-    # found by tests/fuzz_flags.py: PyTorch's own ValueError and KeyError, each a traceback
+    # found by tools/fuzz_flags.py: PyTorch's own ValueError and KeyError, each a traceback
     "negative momentum": (
         lambda t: ["--momentum", "-1"],
         "--lr, --momentum and --weight-decay must be >= 0",
@@ -532,12 +532,12 @@ BAD_INPUTS = {
         lambda t: ["--ip", "no.such.host.invalid", "--port", free_port()],
         "; rank 0 listens there: --ip or --dist-url must be its node's address",
     ),
-    # found by tests/fuzz_flags.py: init_process_group's device_id error, which named no flag
+    # found by tools/fuzz_flags.py: init_process_group's device_id error, which named no flag
     "nccl without a GPU": (
         lambda t: ["--backend", "nccl"],
         "--backend nccl needs GPUs, and none is visible: leave it out for gloo",
     ),
-    # found by tests/fuzz_flags.py: the mode alone kept nothing, and said nothing
+    # found by tools/fuzz_flags.py: the mode alone kept nothing, and said nothing
     "a best's mode without what it ranks": (
         lambda t: ["--keep-best-mode", "max"],
         "--keep-best-mode needs --keep-best NAME",
@@ -639,7 +639,7 @@ def test_an_older_pytorch_is_named_in_one_line_by_every_script(tmp_path):
 
 
 def test_a_commands_own_pythonpath_is_read_as_a_fresh_interpreter_reads_it(tmp_path):
-    """The tests start a command warm also with a PYTHONPATH of its own (tests/warm_ranks.py): a sitecustomize.py
+    """The tests start a command warm also with a PYTHONPATH of its own (tools/warm_ranks.py): a sitecustomize.py
     there runs before the script, as Python's site runs it; a folder that stands in for a package the warm server
     has imported (numpy) starts the command as a fresh interpreter, whose import finds the stand-in."""
     (tmp_path / "site").mkdir()

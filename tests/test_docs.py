@@ -13,7 +13,7 @@ import pytest
 
 from processes import PYTHON, ROOT, run_parallel
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "tools" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def code_lines(page: Path) -> list[str]:
@@ -81,13 +81,43 @@ def test_the_tests_named_exist(page):
 
 def test_every_script_and_flag_in_the_commands_exists():
     named = [(page.name, script, flags) for page in PAGES for script, flags in commands(page)]
-    assert len(named) >= 20 and {"distributed.py", "distributed_fsdp.py", "tests/benchmark.py"} <= {
+    assert len(named) >= 20 and {"distributed.py", "distributed_fsdp.py", "tools/benchmark.py"} <= {
         script for _, script, _ in named
     }  # the parser finds the commands
     helps = help_texts({script for _, script, _ in named})
     for page, script, flags in named:
         unknown = [f for f in flags if not re.search(rf"{re.escape(f)}\b", helps[script])]
         assert not unknown, f"{page}: {script} has no {unknown}"
+
+
+def test_each_tool_has_its_paragraph_and_its_help_and_tests_holds_tests():
+    """tools/ holds what a user runs by hand and what those share with the tests, each file named in tools/README.md
+    (the README's section points there); each tool that takes flags lists them with --help. tests/ holds the tests
+    and what they alone run: each other file there is named by a test, and by no page."""
+    tools = sorted(path for path in (ROOT / "tools").glob("*.py"))
+    paragraphs = (ROOT / "tools" / "README.md").read_text()
+    assert len(tools) >= 20 and not [p.name for p in tools if p.name not in paragraphs]
+    assert "tools/README.md" in (ROOT / "README.md").read_text()
+    programs = {f"tools/{path.name}" for path in tools if "argparse" in path.read_text()}
+    assert {
+        "tools/benchmark.py",
+        "tools/gpu_check.py",
+        "tools/chaos.py",
+        "tools/fuzz_flags.py",
+    } <= programs
+    assert {"tools/network_benchmark.py", "tools/plot_records.py"} <= programs
+    for tool, text in help_texts(programs).items():
+        assert text.startswith("usage: ") and "--help" in text, (tool, text[-500:])
+    tests = ROOT / "tests"
+    helpers = [
+        path
+        for path in tests.rglob("*.py")
+        if not path.name.startswith("test_") and path.name != "conftest.py"
+    ]
+    named_by_tests = "".join(path.read_text() for path in tests.glob("*.py") if path not in helpers)
+    assert helpers and all(path.stem in named_by_tests for path in helpers), helpers
+    run_by_pages = {script for page in PAGES for script, _ in commands(page)}
+    assert not [script for script in run_by_pages if script.startswith("tests/")], run_by_pages
 
 
 def test_the_readme_is_a_map_whose_test_command_is_what_ci_runs():

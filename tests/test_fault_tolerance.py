@@ -27,7 +27,7 @@ from processes import (
     training_processes,
     wait_for,
 )
-from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions
+from projects import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions
 
 # long enough epochs (about 2 s on 2 cores) to kill a worker in the middle of one
 SLOW = [*TINY, "--fake-size", "12000", "--no-augment", "--print-freq", "50"]

@@ -1,4 +1,4 @@
-"""Faults and flags at random, the short forms of tests/chaos.py and tests/fuzz_flags.py (docs/reliability.md has
+"""Faults and flags at random, the short forms of tools/chaos.py and tools/fuzz_flags.py (docs/reliability.md has
 their long runs): an elastic run through a schedule of faults ends with the straight run's weights and records, and
 random flags of every script train or end every rank with one line naming a flag."""
 
@@ -62,7 +62,7 @@ def test_random_flags_of_every_script_train_or_end_in_one_line_naming_a_flag(cap
     ],
 )
 def test_an_approachs_own_number_out_of_range_ends_in_one_line(script, flags, line, tmp_path):
-    """Found by tests/fuzz_flags.py: DiLoCo's outer SGD raised PyTorch's ValueError for a negative --outer-lr, a
+    """Found by tools/fuzz_flags.py: DiLoCo's outer SGD raised PyTorch's ValueError for a negative --outer-lr, a
     scale of 0 or NaN was taken, --nodes 0 was said as "--node-rank must be in 0..-1" and --nproc -1 ended at once
     with exit 0, having trained nothing and said nothing, and FSDP's --channels-last ended in FSDP2's
     NotImplementedError (non-contiguous parameters); each is refused in one line naming its flag."""

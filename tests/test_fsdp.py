@@ -38,7 +38,8 @@ from processes import (
     weights,
 )
 from test_preemption import assert_killed_while_writing_continues, fill, small_disk  # noqa: F401
-from test_your_own_data import copy_with_your_functions, launch, users_code
+from test_records import assert_curves_equal_the_records
+from projects import YOUR_LANGUAGE_MODEL, copy_with_your_functions, launch, users_code
 
 EXACT = [*TINY, "--no-augment"]  # the reference job of conftest.py
 
@@ -97,6 +98,7 @@ def test_fsdp_on_two_processes_equals_ddp_on_one(fsdp, reference):
     ]
     model = builtin.model("tiny", 10, 16)
     model.load_state_dict(weights(fsdp["two"]))
+    assert_curves_equal_the_records(fsdp["two"])  # the run's picture, as every script draws it
 
 
 def test_each_rank_holds_about_half_the_model_state_of_ddp(fsdp, reference):
@@ -181,50 +183,6 @@ def test_sigterm_mid_epoch_continues_exactly(tmp_path):
     assert d <= 1e-6
     # records every 10 steps, checkpoints every 5: the sharded checkpoint keeps the sums the next record needs
     assert_same_records(steps(out), steps(tmp_path / "straight"), tolerance=1e-6)
-
-
-YOUR_LANGUAGE_MODEL = '''
-from transformers import GPT2Config, GPT2LMHeadModel
-
-CONFIG = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
-
-
-class Progressions(torch.utils.data.Dataset):
-    """Sequences of 4 to 24 tokens a, a + d, a + 2d, ... (mod 62, from token 2): learnable after two tokens."""
-
-    def __init__(self, size: int, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, 62, (size,), generator=generator)
-        step = torch.randint(1, 4, (size,), generator=generator)
-        lengths = torch.randint(4, 25, (size,), generator=generator)
-        self.ids = [2 + (a + d * torch.arange(n)) % 62 for a, d, n in zip(start, step, lengths)]
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, index):
-        return self.ids[index], self.ids[index]
-
-
-def build_datasets(args):
-    return Progressions(640, seed=1), Progressions(203, seed=2), 64
-
-
-def build_model(args, num_classes):
-    return GPT2LMHeadModel(CONFIG)  # its head is tied to its token embedding
-
-
-def compute_loss(outputs, targets):
-    """Next-token cross-entropy summed over the real tokens, and their count."""
-    logits, labels = outputs.logits[:, :-1], targets[:, 1:]
-    return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
-
-
-def collate(samples):
-    ids = nn.utils.rnn.pad_sequence([ids for ids, _ in samples], batch_first=True, padding_value=0)
-    labels = nn.utils.rnn.pad_sequence([ids for ids, _ in samples], batch_first=True, padding_value=-100)
-    return {"input_ids": ids, "attention_mask": (labels != -100).long()}, labels
-'''
 
 
 def test_a_hugging_face_language_model_with_a_tied_head_trains(tmp_path):
@@ -519,14 +477,14 @@ def test_the_model_is_built_once_and_the_other_ranks_hold_only_their_shards(tmp_
 # as resident only the server's pages it touches: forked, GPT-2's build peaked at 0.48 GiB, below the model and an
 # interpreter of its own
 def test_the_phase_table_shows_each_phase_and_a_save_that_adds_little_beside_rank_0():
-    """tests/fsdp_memory.py, which docs/fsdp.md runs by hand on GPT-2 large, on GPT-2 small (124M parameters, 0.46
+    """tools/fsdp_memory.py, which docs/fsdp.md runs by hand on GPT-2 large, on GPT-2 small (124M parameters, 0.46
     GiB): each rank's peak per phase through a run and its continuation, and the start-up line. The save (the
     sharded checkpoint; model.pt and hf/ gathered on rank 0) adds the whole model on rank 0, which writes it, and
     on rank 1 the host copy of its shards that the background write keeps (weights 0.25 GB and AdamW's 0.50: 0.70
     GiB) and less than a copy of the model: tensors in flight one at a time (measured before the background
     write: 0.17 to 0.35 GiB, with the 147 MiB embedding the largest)."""
     result = run(
-        [PYTHON, ROOT / "tests" / "fsdp_memory.py", "--model", "gpt2", "--only", "FSDP"],
+        [PYTHON, ROOT / "tools" / "fsdp_memory.py", "--model", "gpt2", "--only", "FSDP"],
         timeout=600,
     )
     print(result.stdout)

@@ -13,10 +13,10 @@ import json
 import pytest
 
 from processes import TINY, run_parallel
-from test_your_own_data import copy_with_your_functions, launch
+from projects import copy_with_your_functions, launch
 
 # the built-in data and model, the model's forward pre-hook telling SYNCS (a counter the code before defines) that a
-# training step begins (tests/gpu_check.py counts the GPU's syncs with it too)
+# training step begins (tools/gpu_check.py counts the GPU's syncs with it too)
 PLUGGED = """
 
 def build_datasets(args):

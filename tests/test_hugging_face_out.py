@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from processes import run_parallel, weights
-from test_fsdp import YOUR_LANGUAGE_MODEL
-from test_your_own_data import copy_with_your_functions, launch, users_code
+from projects import YOUR_LANGUAGE_MODEL
+from projects import copy_with_your_functions, launch, users_code
 
 peft = pytest.importorskip("peft")  # a test-only dependency (tests/requirements.txt)
 

@@ -17,7 +17,7 @@ import pytest
 
 from processes import ends_every_rank_with, finish, metrics, run_parallel, start, steps
 from test_streams import assert_trained_as_the_reference, docs_example, write_json_lines
-from test_your_own_data import copy_with_your_functions, launch
+from projects import copy_with_your_functions, launch
 
 datasets = pytest.importorskip("datasets")  # test-only dependencies (tests/requirements.txt)
 pytest.importorskip("webdataset")

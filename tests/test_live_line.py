@@ -18,7 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from processes import MARKER, ROOT, TINY, kill_everything_started_by, metrics, steps, torchrun
-from test_your_own_data import copy_with_your_functions
+from projects import copy_with_your_functions
 
 # A slow start (a tokenisation pass), slow steps and slower validation batches: the line is drawn about once a
 # second, so each stage lasts a few of its draws.
@@ -48,6 +48,13 @@ def compute_loss(outputs, targets):
 def collate(samples):
     return default_collate(samples)
 """
+
+
+# rank 1's own error while rank 0 draws its start: it keeps its traceback, which a terminal shows whole
+FAILING = SLOW.replace(
+    "    time.sleep(2.5)\n",
+    "    time.sleep(2.5)\n    if os.environ['RANK'] == '1':\n        raise ValueError('your own error on rank 1')\n",
+).replace("import time\n", "import os\nimport time\n")
 
 
 def run_in_a_terminal(cmd: list, timeout: float = 240) -> tuple[int, str]:
@@ -121,8 +128,16 @@ def test_a_terminal_shows_rank_0s_live_line_in_place_and_keeps_the_records_on_li
     terminal holds the start's lines, the records and the epoch's line, and no half-line."""
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", SLOW)
     accumulating = copy_with_your_functions("distributed_grad_accum.py", tmp_path / "accum", SLOW)
+    sharded = copy_with_your_functions("distributed_fsdp.py", tmp_path / "fsdp", SLOW)
     flags = [*TINY, "--fake-size", "600", "--epochs", "1", "--print-freq", "6", "--no-augment"]
-    with ThreadPoolExecutor(2) as pool:  # at once: each mostly sleeps
+    failing = copy_with_your_functions("distributed.py", tmp_path / "failing", FAILING)
+    with ThreadPoolExecutor(4) as pool:  # at once: each mostly sleeps
+        failed = pool.submit(
+            run_in_a_terminal, torchrun(2, failing, *flags, "--output-dir", tmp_path / "x")
+        )
+        fsdp = pool.submit(
+            run_in_a_terminal, torchrun(2, sharded, *flags, "--output-dir", tmp_path / "f")
+        )
         straight = pool.submit(
             run_in_a_terminal, torchrun(2, copy, *flags, "--output-dir", tmp_path / "out")
         )
@@ -131,7 +146,20 @@ def test_a_terminal_shows_rank_0s_live_line_in_place_and_keeps_the_records_on_li
             torchrun(2, accumulating, *flags, "--accum-steps", "2", "--output-dir", tmp_path / "a"),
         )
         (code, text), (accumulated_code, accumulated_text) = straight.result(), accumulated.result()
+        fsdp_code, fsdp_text = fsdp.result()
+        failed_code, failed_text = failed.result()
     assert code == 0, text
+    # another rank's error where rank 0's live line stands: the line cleared first, the traceback whole below
+    assert failed_code != 0 and "\r\x1b[Kstarting: building the data" in failed_text, failed_text
+    left = screen(failed_text)
+    assert "Traceback (most recent call last):" in left, left
+    assert "ValueError: your own error on rank 1" in left, left
+    # FSDP's line alike: its steps, its validation's batches, and a screen left with its lines alone
+    assert fsdp_code == 0, fsdp_text
+    assert re.search(r"\r\x1b\[Kepoch 1/1 step \d+/\d+ \d+% ", fsdp_text), fsdp_text
+    assert re.search(r"\r\x1b\[Kvalidating: batch \d+/\d+ ", fsdp_text), fsdp_text
+    left = [line for line in screen(fsdp_text) if line.strip()]
+    assert left[-1].startswith("epoch 1/1 train_loss ") and screen(fsdp_text)[-1] == "", left
     # accumulation's steps are its optimizer steps (2 micro-batches each), never past the epoch's
     assert accumulated_code == 0, accumulated_text
     shown = re.findall(r"\r\x1b\[Kepoch 1/1 step (\d+)/(\d+) (\d+)%", accumulated_text)

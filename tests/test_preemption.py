@@ -35,7 +35,7 @@ from processes import (
     wait_for,
     warm_starts,
 )
-from test_your_own_data import copy_with_your_functions
+from projects import copy_with_your_functions
 from extras import checkpoints
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from processes import ends_every_rank_with, max_weight_difference, metrics, run, run_parallel
-from test_your_own_data import copy_with_your_functions, launch
+from projects import copy_with_your_functions, launch
 from test_your_project import PREEMPTED
 from extras import seeds
 

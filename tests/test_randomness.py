@@ -21,7 +21,7 @@ from processes import (
     run_parallel,
     steps,
 )
-from test_your_own_data import copy_with_your_functions, launch
+from projects import copy_with_your_functions, launch
 from extras import seeds
 
 # a user's Dataset with torchvision's random transforms on small random images; each training

@@ -13,6 +13,7 @@ from processes import (
     TINY,
     assert_same_records,
     assert_wandb_equals_the_records,
+    PYTHON,
     ends_every_rank_with,
     finish,
     max_weight_difference,
@@ -24,7 +25,7 @@ from processes import (
     torchrun,
     warm_starts,
 )
-from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
+from projects import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 KILLED_AT_A_KNOWN_STEP = YOUR_CLASSIFICATION.replace("Blobs(640", "Blobs(2000").replace(
     """def build_model(args, num_classes):
@@ -244,17 +245,17 @@ def test_wandb_without_a_login_ends_every_rank_with_one_line(tmp_path):
     ends_every_rank_with(result, "error: --wandb cannot start its run (No API key configured.")
 
 
-def test_the_records_plot_as_curves(reference, tmp_path):
-    """tests/plot_records.py, which drew docs/curves.svg: one line per series, every record a point."""
-    import xml.etree.ElementTree as ET
-    from plot_records import read, svg
-
-    points = read(reference["two"] / "steps.jsonl")
-    (tmp_path / "curves.svg").write_text(svg(points, "the reference job"))
-    lines = (
-        ET.parse(tmp_path / "curves.svg").getroot().findall("{http://www.w3.org/2000/svg}polyline")
+def test_the_records_plot_as_the_runs_own_curves(reference, tmp_path):
+    """tools/plot_records.py draws a steps.jsonl as the run drew its own curves.svg, byte for byte: the run's
+    picture and the tool's are one drawing (extras/curves.py), a curve a series, every record a point."""
+    assert_curves_equal_the_records(reference["two"])
+    run(
+        [
+            PYTHON,
+            "tools/plot_records.py",
+            reference["two"] / "steps.jsonl",
+            "--out",
+            tmp_path / "c.svg",
+        ]
     )
-    assert [len(line.get("points").split()) for line in lines] == [
-        len(points[k]) for k in ("train_loss", "val_loss", "val_acc")
-    ]
-    assert len(points["train_loss"]) == 12 and len(points["val_loss"]) == 9  # 4 and 3 an epoch
+    assert (tmp_path / "c.svg").read_bytes() == (reference["two"] / "curves.svg").read_bytes()

@@ -22,7 +22,7 @@ from processes import (
     start,
     steps,
 )
-from test_your_own_data import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
+from projects import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch
 
 TIMEOUT = 10  # --timeout: every stalled run must end within it and BOUND more seconds of its stall's start
 BOUND = 12

@@ -30,7 +30,7 @@ from processes import (
     start,
     steps,
 )
-from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
+from projects import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_STREAM = '''
 import os

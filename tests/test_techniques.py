@@ -245,7 +245,7 @@ def test_sync_bn_on_cpu_processes_trains_on_2_and_3_what_1_does(tmp_path):
     0.04 without --sync-bn): on random images its float32 rounding grows some 30 to 100 times a step after that, by
     machine and threads, in one process too (1 process with --sync-bn against none: 7e-6 after 1 step, 2e-4 after
     2; 2 processes against 1 after 2 steps: 2e-7 on one machine, 2.9e-5 on another)."""
-    from test_your_own_data import copy_with_your_functions, launch
+    from projects import copy_with_your_functions, launch
 
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", YOUR_BATCH_NORM)
     outs = {(n, sync): tmp_path / f"{n}p-{sync}" for n, sync in [(1, 1), (2, 1), (3, 1), (2, 0)]}

@@ -23,7 +23,7 @@ from processes import (
     wait_for,
     weights,
 )
-from test_your_own_data import COMMON, copy_with_your_functions, launch, users_code
+from projects import COMMON, copy_with_your_functions, launch, users_code
 
 YOUR_TAGGER = '''
 class Sentences(torch.utils.data.Dataset):

@@ -17,7 +17,7 @@ from processes import (
     run_parallel,
     steps,
 )
-from test_your_own_data import COMMON, copy_with_your_functions, launch
+from projects import COMMON, copy_with_your_functions, launch
 
 YOUR_PAIRS = '''
 class Pairs(torch.utils.data.Dataset):

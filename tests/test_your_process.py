@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from processes import PYTHON, ROOT, TINY, run, torchrun
-from test_your_own_data import copy_core
+from projects import copy_core
 
 
 def libraries_imported(path: Path) -> set[str]:

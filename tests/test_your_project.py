@@ -24,13 +24,7 @@ from processes import (
     steps,
 )
 from test_records import assert_tensorboard_equals_the_records
-from test_your_own_data import (
-    COMMON,
-    YOUR_CLASSIFICATION,
-    copy_with_your_functions,
-    launch,
-    users_code,
-)
+from projects import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch, users_code
 
 # a model that sends its own process SIGTERM in its SIGTERM_AT_FORWARD-th training forward, as a scheduler's
 # preemption (the user's code imports os and signal)

@@ -13,13 +13,7 @@ import torch
 
 import utils
 from processes import OFFLINE, ROOT, max_weight_difference, metrics, run_parallel, steps
-from test_your_own_data import (
-    COMMON,
-    YOUR_CLASSIFICATION,
-    copy_with_your_functions,
-    launch,
-    users_code,
-)
+from projects import COMMON, YOUR_CLASSIFICATION, copy_with_your_functions, launch, users_code
 
 YOUR_DENOISING = '''
 class Vectors(torch.utils.data.Dataset):

@@ -2,7 +2,7 @@
 datasets, and their submodules, are imported with Python's cycle collector paused. Their imports build objects that
 live as long as the process, which the collector scanned again and again as the heap grew: 714 collections during a
 cold `import torch, torchvision` here, 0.3 of its 2.5 CPU-seconds. Once a package's first import is done, what it built
-is frozen out of the collector's reach (gc.freeze(), as tests/warm_ranks.py's server does): a full collection then
+is frozen out of the collector's reach (gc.freeze(), as tools/warm_ranks.py's server does): a full collection then
 scans what the program builds, not the 345,000 objects of torch and torchvision (0.23 CPU-s each; a GPT-2 rank of the
 phase table spent 0.95 s in the collector, now 0.45). The collector runs as before, and the scripts run as users run
 them."""

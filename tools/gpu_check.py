@@ -1,7 +1,7 @@
 """Checks of the GPU paths (nccl, DataParallel, AMP float16/bfloat16 with GradScaler, FSDP with CPU offload and
 activation checkpointing, SyncBatchNorm, channels_last, torch.compile, CUDA graphs, a stream, a stall, a clean
 end, a project's own sampler and metrics, an image folder, and GPU JPEG decoding measured against the CPU's), for a machine with a GPU. CI has none, so
-this is run by hand there: `python tests/gpu_check.py`; it prints what it measured, one line per check, and exits
+this is run by hand there: `python tools/gpu_check.py`; it prints what it measured, one line per check, and exits
 non-zero if a check fails; `--only graphs` (repeatable) runs one group."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # utils, for the tests' user code
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# utils, for the tests' user code; the tests, whose user code and checks this runs on the GPU
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1]),
+    str(Path(__file__).resolve().parents[1] / "tests"),
+]
 from test_host_syncs import PLUGGED  # noqa: E402
 from processes import (
     EVAL_EVERY,
@@ -313,12 +316,7 @@ def cuda_graphs(tmp: Path) -> None:
 def your_task_on_the_gpu(tmp: Path) -> None:
     """A user's task: labels outside the classes end in one line before any CUDA kernel could assert; a
     regression learns with float16 and GradScaler; a run whose float16 loss turns NaN stops with one line."""
-    from test_your_own_data import (
-        COMMON,
-        YOUR_CLASSIFICATION,
-        YOUR_REGRESSION,
-        copy_with_your_functions,
-    )
+    from projects import COMMON, YOUR_CLASSIFICATION, YOUR_REGRESSION, copy_with_your_functions
 
     bad = YOUR_CLASSIFICATION.replace("Blobs(203, seed=2), 4", "Blobs(203, seed=2), 3")
     copy = copy_with_your_functions("distributed.py", tmp / "labels", bad)
@@ -368,7 +366,7 @@ def your_project_on_the_gpu(tmp: Path) -> None:
     what dataparallel.py trains; torchmetrics' macro F1 and AUROC (their states on the GPU) and top-5 equal
     scikit-learn's on the saved weights, in DDP and FSDP; --keep-best val_f1 keeps the weights of the best F1."""
     from sklearn.metrics import f1_score, roc_auc_score
-    from test_your_own_data import copy_with_your_functions
+    from projects import copy_with_your_functions
     from test_your_project import MEASURED_BY, SAMPLED, YOUR_IMBALANCED, YOUR_METRICS, predictions
 
     outs = {}
@@ -438,7 +436,7 @@ def a_stall_on_the_gpu(tmp: Path) -> None:
     """A rank stuck in compute_loss on nccl (a world of one: NCCL takes no two ranks on one GPU) ends within the bound,
     saying where; its stalls/ folder holds the Flight Recorder's trace, which PyTorch's analyzer reads."""
     from test_stalls import BOUND, TIMEOUT, user_code
-    from test_your_own_data import COMMON, copy_with_your_functions
+    from projects import COMMON, copy_with_your_functions
 
     copy = copy_with_your_functions(
         "distributed.py", tmp / "stall", user_code("compute_loss").replace('== "1"', '== "0"')
@@ -598,7 +596,7 @@ def no_syncs(tmp: Path) -> None:
     """torch.cuda.set_sync_debug_mode("warn") over a run, its warnings counted per step: a step that records
     nothing makes no synchronizing CUDA call (tests/test_host_syncs.py follows the tensors on CPU); a recording
     step reads its numbers (and is seen to). And --profile on cuda: each rank's trace holds the GPU's kernels and the phases."""
-    from test_your_own_data import copy_with_your_functions
+    from projects import copy_with_your_functions
 
     runs = {
         "distributed.py": [],

@@ -9,8 +9,8 @@ This machine's speed drifts by a third from one run to the next, more than the m
 optimizer's step are the same work in both loops, so the ratio of their times is the ratio of the two runs' speeds,
 and the machinery is our step less the textbook's step scaled by it (the last column; the plain difference beside it).
 
-    python tests/machinery.py                            # this repository's distributed.py
-    python tests/machinery.py --roots . ../old-checkout  # and another version of it, for a before-and-after
+    python tools/machinery.py                            # this repository's distributed.py
+    python tools/machinery.py --roots . ../old-checkout  # and another version of it, for a before-and-after
 
 Each round runs the textbook loop and each version once, in turn. It prints a table: per world size and version,
 the median step of the textbook loop and of ours, their difference and the machinery at the same speed, medians of
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from processes import PYTHON, ROOT, run  # noqa: E402
-from test_your_own_data import copy_with_your_functions  # noqa: E402
+from projects import copy_with_your_functions  # noqa: E402
 
 # the data, model and loss, alike for both loops; a hook notes the main thread's CPU time at each training forward
 COMMON = """

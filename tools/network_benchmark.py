@@ -3,7 +3,7 @@ each rate, one process per host, the README's main job (ResNet-18). The hosts ar
 pair whose rate `tc` limits on both ends (tbf), as tests/test_multinode.py builds them; this needs root. Prints a
 table (images/s, MB each process sends a step, validation accuracy after the same samples) and writes a chart.
 
-    python tests/network_benchmark.py --chart docs/network.svg
+    python tools/network_benchmark.py --chart docs/network.svg
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main() -> None:
             f"{r['seconds']:.1f} | {r['sent']:.1f} | {r['val_acc']:.3f} |"
         )
     print(
-        f"\nHardware: {hardware()}.\nCommand: python tests/network_benchmark.py {' '.join(sys.argv[1:])}"
+        f"\nHardware: {hardware()}.\nCommand: python tools/network_benchmark.py {' '.join(sys.argv[1:])}"
     )
     if args.chart:
         args.chart.write_text(chart(rows, "Two hosts over a rate-limited link: images/s"))

@@ -3,7 +3,7 @@ them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ... set), in processes forked 
 has imported torch once, instead of N fresh interpreters that import it each (about 2 s of CPU a
 process, most of what a test's tiny run costs). The scripts run unchanged, as __main__ with their
 argv, environment, folder and working directory, their output in pipes, each killable as a process
-(SIGTERM, SIGUSR1, SIGKILL). tests/processes.py starts every such command so, except where a test is
+(SIGTERM, SIGUSR1, SIGKILL). tools/processes.py starts every such command so, except where a test is
 about the launch itself (real torchrun, its agent, elastic runs) or the command's interpreter
 would start otherwise (PYTHONHASHSEED, glibc's MALLOC_ settings and the like): those start as they
 always did. A PYTHONPATH of the command's own is read as a fresh interpreter reads it: its

@@ -117,7 +117,7 @@ STARTED: list[str] = []  # markers of this test's processes, all killed when it 
 
 
 # Under pytest (conftest.py), `python SCRIPT` and torchrun's `--standalone` start warm
-# (tests/warm_ranks.py) unless a test is marked real_launch or DDP_TESTS_COLD is set; the tools run
+# (tools/warm_ranks.py) unless a test is marked real_launch or DDP_TESTS_COLD is set; the tools run
 # by hand (the benchmark: its speed and memory are a user's launch) start every command the real way,
 # unless DDP_TESTS_WARM=1 (a test that checks a tool's output, not its speed).
 WARM_BY_DEFAULT = os.environ.get("DDP_TESTS_WARM") == "1"

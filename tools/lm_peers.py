@@ -1,12 +1,12 @@
-"""What a user would run instead of the scripts to train a language model, for the benchmark (tests/benchmark.py --lm)
-to measure them against, on the same workload (tests/lm_workload.py), global batch, recipe (AdamW, weight decay
+"""What a user would run instead of the scripts to train a language model, for the benchmark (tools/benchmark.py --lm)
+to measure them against, on the same workload (tools/lm_workload.py), global batch, recipe (AdamW, weight decay
 0.01, a linear warm-up then a cosine decay) and precision:
 
 - textbook: the plain DDP loop of the tutorials (DistributedSampler, DDP, AdamW, autocast, loss.item() every step);
 - trainer: Hugging Face's Trainer;
 - accelerate: Accelerate's Accelerator around the same loop.
 
-    torchrun --standalone --nproc_per_node=2 tests/lm_peers.py --peer trainer --output-dir out
+    torchrun --standalone --nproc_per_node=2 tools/lm_peers.py --peer trainer --output-dir out
 
 Each writes OUTPUT_DIR/epochs.json: every epoch's seconds, sequences/s, mean training loss and peak memory (MB, the
 process's resident set on a CPU, the GPU's peak allocation on a GPU), from rank 0.

@@ -1,14 +1,15 @@
 """What FSDP itself costs a step on CPU processes, without the scripts: the language-model benchmark's GPT-2
-(tests/lm_workload.py) trained by a bare loop on 2 gloo processes of one thread each, wrapped in DDP and in FSDP2
+(tools/lm_workload.py) trained by a bare loop on 2 gloo processes of one thread each, wrapped in DDP and in FSDP2
 (fully_shard on each block and the root), fused AdamW, one batch of 16 sequences a rank kept in memory; each
 wrapper's median step, and, for FSDP, the milliseconds a step that torch.profiler puts in its all-gathers and
 reduce-scatters (rank 0). Set beside the benchmark's FSDP and DDP rows, it says how much of their gap is FSDP's.
 
-    python tests/fsdp_cpu_cost.py
+    python tools/fsdp_cpu_cost.py
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -84,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help alone
     main()

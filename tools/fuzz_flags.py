@@ -5,12 +5,12 @@ that names a flag it was given: never a Python traceback of the scripts, a hang 
 size takes 90 s) or a process left behind. torchrun's own summary of a failed process, and its own
 traceback of ChildFailedError, are torchrun's and allowed.
 
-    python tests/fuzz_flags.py --runs 200 --seed 1
-    python tests/fuzz_flags.py --runs 1 --seed 1 --skip 57    # replay the 58th run of that schedule
+    python tools/fuzz_flags.py --runs 200 --seed 1
+    python tools/fuzz_flags.py --runs 1 --seed 1 --skip 57    # replay the 58th run of that schedule
 
 It prints how many runs trained and how many were refused, per script, and every run that failed
 with its command, its reason and its replay line; it exits non-zero where one failed. Runs start
-warm (forked from a process that imported torch, tests/warm_ranks.py: what is checked is the
+warm (forked from a process that imported torch, tools/warm_ranks.py: what is checked is the
 output, not the launch); --cold starts each as users do.
 
 Left out: --compile (a compile takes a minute a run on a CPU; the compile tests run it), and
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     )
     for number, shown, why in failures:
         print(f"\nFAILED run {number}: {why}\n  {shown}")
-        print(f"  replay: python tests/fuzz_flags.py --runs 1 --seed {args.seed} --skip {number}")
+        print(f"  replay: python tools/fuzz_flags.py --runs 1 --seed {args.seed} --skip {number}")
     return 1 if failures else 0
 
 

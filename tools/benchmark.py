@@ -1,17 +1,17 @@
 """Side-by-side benchmark of the five scripts and the textbook loop, read from their own metrics.jsonl.
 
-    python tests/benchmark.py --quick                 # 2 CPU cores, a few minutes
-    python tests/benchmark.py                         # a GPU machine: ResNet-18, CIFAR-shaped fake data
-    python tests/benchmark.py --quick --chart speed.svg   # and a bar chart of images/s
-    python tests/benchmark.py --image-folders         # generated JPEG folders: loaders and training
-    python tests/benchmark.py --lm --quick --chart lm.svg   # a language model: the scripts, a plain loop, Trainer,
+    python tools/benchmark.py --quick                 # 2 CPU cores, a few minutes
+    python tools/benchmark.py                         # a GPU machine: ResNet-18, CIFAR-shaped fake data
+    python tools/benchmark.py --quick --chart speed.svg   # and a bar chart of images/s
+    python tools/benchmark.py --image-folders         # generated JPEG folders: loaders and training
+    python tools/benchmark.py --lm --quick --chart lm.svg   # a language model: the scripts, a plain loop, Trainer,
                                                             # Accelerate (GPT-2 small on a GPU, without --quick)
 
 Cases run in turn, round after round (so slow drift of the machine hits all
 of them alike; the language-model rows every other round backwards); each run's first epoch is warm-up (and compilation), shown
 apart, and the later ones are measured. Prints a markdown table, the ratios
 that show where time goes and what the scripts gain over the textbook loop
-(tests/textbook.py), and a line naming the hardware, the PyTorch version and
+(tools/textbook.py), and a line naming the hardware, the PyTorch version and
 the command. The scripts run with --phases (off by default), for the table of their phases. It lives beside the tests because it drives the scripts exactly as they do.
 """
 
@@ -43,7 +43,7 @@ import lm_workload  # noqa: E402
 import textbook  # noqa: E402
 from image_files import write_image_folder  # noqa: E402
 from processes import ROOT, RunFailed, metrics, python, run, run_parallel, torchrun  # noqa: E402
-from test_your_own_data import copy_core, copy_with_your_functions  # noqa: E402
+from projects import copy_core, copy_with_your_functions  # noqa: E402
 
 
 TEXTBOOK = "textbook loop: PIL transforms per image"
@@ -152,7 +152,7 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
             Case(BLOCKING, "distributed.py", 2, blocking=True),
             Case(UNWATCHED, "distributed.py", 2, unwatched=True),
             Case(EMA, "distributed.py", 2, ["--ema", "0.99"]),
-            Case(TEXTBOOK, "tests/textbook.py", 2),
+            Case(TEXTBOOK, "tools/textbook.py", 2),
             Case("ceiling: 2 independent processes", "distributed.py", 2, [], "pair", one),
             Case(
                 "DDP by mp.spawn, 2 processes", "distributed_mp.py", 2, ["--nproc", "2"], "python"
@@ -202,7 +202,7 @@ def cases(quick: bool, gpus: int, before: bool = True) -> list[Case]:
         return [row for row in rows if before or row.stream != "before"]
     cl, comp, bf16 = ["--channels-last"], ["--compile"], ["--amp-dtype", "bfloat16"]
     return [
-        Case(TEXTBOOK + ", AMP float16", "tests/textbook.py", n),
+        Case(TEXTBOOK + ", AMP float16", "tools/textbook.py", n),
         Case(f"DataParallel, {n} GPU", "dataparallel.py", 1, [], "python"),
         Case("DDP fp32", "distributed.py", n),
         Case("DDP fp32 + channels_last", "distributed.py", n, cl),
@@ -274,7 +274,7 @@ def run_case(case: Case, common: list[str], out: Path) -> list[list[dict]]:
     """Run one case; returns the epochs of every process that wrote metrics (two for a pair). The scripts run with
     --phases, for the table of where each step's time goes (the textbook loop times none)."""
     flags = [*common, *case.flags]
-    if case.script != "tests/textbook.py":
+    if case.script != "tools/textbook.py":
         flags.append("--phases")
     if case.blocking or case.unwatched:
         case = Case(
@@ -642,7 +642,7 @@ def image_folder_benchmark(args, gpus: int) -> None:
     torch.set_num_threads(1)
     processes = gpus or 2
     pair = [
-        Case(TEXTBOOK, "tests/textbook.py", processes),
+        Case(TEXTBOOK, "tools/textbook.py", processes),
         Case(f"DDP, {processes} processes", "distributed.py", processes),
     ]
     rates: dict[str, dict[str, float]] = {}
@@ -704,12 +704,12 @@ def image_folder_benchmark(args, gpus: int) -> None:
         print(textbook_ratio(results, pair[1].name))
 
 
-# GPT-2 small's size (tests/lm_workload.py reads it from the environment): the GPU's language-model workload
+# GPT-2 small's size (tools/lm_workload.py reads it from the environment): the GPU's language-model workload
 GPT2_SMALL = dict(LM_LAYERS="12", LM_WIDTH="768", LM_HEADS="12", LM_LENGTH="1024", LM_VOCAB="50257")
 
 
 def lm_cases(quick: bool) -> list[tuple[str, str, list[str], str]]:
-    """The language-model rows: (name, a script or a peer of tests/lm_peers.py, flags, autocast dtype)."""
+    """The language-model rows: (name, a script or a peer of tools/lm_peers.py, flags, autocast dtype)."""
     bf16 = ["--amp-dtype", "bfloat16"]
     rows = [
         ("distributed.py", "distributed.py", [], "float32"),
@@ -919,7 +919,7 @@ def lm_benchmark(args, gpus: int) -> None:
 def machine_and_command() -> str:
     """A table's last lines: the machine, and the command that made it."""
     command = shlex.join(sys.argv[1:])
-    return f"\nHardware: {hardware()}.\nCommand: python tests/benchmark.py {command}"
+    return f"\nHardware: {hardware()}.\nCommand: python tools/benchmark.py {command}"
 
 
 def hardware() -> str:

@@ -1,7 +1,7 @@
-"""The language-model workload of the benchmark (tests/benchmark.py --lm), alike in every row: GPT-2 built from its
+"""The language-model workload of the benchmark (tools/benchmark.py --lm), alike in every row: GPT-2 built from its
 config (no download; its size from LM_LAYERS, LM_WIDTH, LM_HEADS, LM_LENGTH, LM_VOCAB), trained on sequences of
 LM_LENGTH tokens, each an arithmetic progression modulo the vocabulary (learnable: the loss falls), by next-token
-cross-entropy. The scripts' plug points (YOURS) and the peers' loops (tests/lm_peers.py) import it."""
+cross-entropy. The scripts' plug points (YOURS) and the peers' loops (tools/lm_peers.py) import it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 iter() to the first batch (the workers' start), and each worker's own memory (USS: pages no other process shares)
 and its proportional share (PSS), for the built-in in-memory images (--dataset fake), 2 workers.
 
-    python tests/worker_start.py --fake-size 50000
+    python tools/worker_start.py --fake-size 50000
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ by up to a pixel, plus noise); the same global batch on 1 and 2 processes, a few
 rank draws its own dropout masks; the two are equal in distribution, not bit for bit, so this is a
 benchmark-style check: the mean validation accuracy of each, and each seed's.
 
-    python tests/dropout_ranks.py            # 3 seeds, about 3 minutes on 2 CPU cores
-    python tests/dropout_ranks.py --seeds 5
+    python tools/dropout_ranks.py            # 3 seeds, about 3 minutes on 2 CPU cores
+    python tools/dropout_ranks.py --seeds 5
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmark import hardware
 from processes import metrics, python, run_parallel, torchrun
-from test_your_own_data import copy_with_your_functions
+from projects import copy_with_your_functions
 
 YOUR_DIGITS = '''
 class Digits(torch.utils.data.Dataset):

@@ -1,12 +1,12 @@
 """What a checkpoint save costs the training loop: the seconds the loop is stopped and the seconds the write takes,
 written the way the scripts wrote it before (the loop waits for the last byte) and the way they write it now
-(utils.checkpoints.Saves: a copy in host memory, written by a thread while training goes on), for the state the
+(extras.checkpoints.Saves: a copy in host memory, written by a thread while training goes on), for the state the
 scripts save: the weights, the optimizer's state and the moving average.
 
-    python tests/save_cost.py                  # the main job's ResNet-18 (SGD) and GPT-2 small (AdamW), rank 0's file
-    python tests/save_cost.py --dir /scratch   # on another disk
+    python tools/save_cost.py                  # the main job's ResNet-18 (SGD) and GPT-2 small (AdamW), rank 0's file
+    python tools/save_cost.py --dir /scratch   # on another disk
 
-Rows: the DDP scripts' one file on rank 0 (utils.checkpoints.save_checkpoint before); GPT-2 small sharded over 2
+Rows: the DDP scripts' one file on rank 0 (extras.checkpoints.save_checkpoint before); GPT-2 small sharded over 2
 processes, each writing its shards as distributed_fsdp.py does (its save_sharded: DCP's dcp.save, in the loop
 before, in the writing thread now, its collectives over a gloo group of their own), the slowest rank's times. Each
 row is the median of --repeats saves into --dir (the first makes the host copies, the others reuse them, as a run's

@@ -7,8 +7,8 @@ lr 1, no momentum); and two this file adds to a copy of the script: a momentum r
 (t + 2)) at outer step t, and schedule-free SGD (lr 2, beta 0.2; Khaled et al., 2025). Prints each run's end and a
 markdown table of the means (each seed's in brackets).
 
-    python tests/outer_rules.py                 # everything: over an hour on 2 CPU cores (docs/many-machines.md)
-    python tests/outer_rules.py --tasks gpt2-6  # some rows
+    python tools/outer_rules.py                 # everything: over an hour on 2 CPU cores (docs/many-machines.md)
+    python tools/outer_rules.py --tasks gpt2-6  # some rows
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from benchmark import hardware
 from processes import README_JOB, metrics, run_parallel, torchrun
-from test_fsdp import YOUR_LANGUAGE_MODEL
-from test_your_own_data import copy_with_your_functions
+from projects import YOUR_LANGUAGE_MODEL
+from projects import copy_with_your_functions
 
 GPT2 = ["--batch-size", "32", "--optimizer", "adamw", "--lr", "1e-2", "--workers", "0"]
 # 2048 sequences of counting: 64 steps of 32 an epoch
@@ -163,7 +163,7 @@ def main() -> None:
         row = [cell(table[task, rule], table.get((task, "DDP")), key) for rule in args.rules]
         print(f"| {task.replace('-', ', ')}: {key} | {' | '.join(row)} |")
     print(
-        f"\nHardware: {hardware()}.\nCommand: python tests/outer_rules.py {shlex.join(sys.argv[1:])}"
+        f"\nHardware: {hardware()}.\nCommand: python tools/outer_rules.py {shlex.join(sys.argv[1:])}"
     )
 
 

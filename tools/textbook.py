@@ -5,7 +5,7 @@ torchvision's RandomCrop, RandomHorizontalFlip, ToTensor and Normalize in the Da
 (an image folder: ImageFolder with RandomResizedCrop, as pytorch/examples' imagenet/main.py);
 a DistributedSampler; DDP; on a GPU autocast float16 with a GradScaler; loss.item() every step.
 
-    torchrun --standalone --nproc_per_node=2 tests/textbook.py --dataset fake --fake-size 8192 --arch tiny --epochs 3
+    torchrun --standalone --nproc_per_node=2 tools/textbook.py --dataset fake --fake-size 8192 --arch tiny --epochs 3
 
 It writes the metrics.jsonl fields the benchmark reads. No resume, no exact validation, no error
 handling: it stands for what a user would otherwise run, not for what we recommend.

@@ -2,7 +2,7 @@
 ROOT/train/<class>/*.jpg and ROOT/val/<class>/*.jpg. Each class is a colour under a smooth random
 field and grain, so a random-resized crop of any part of an image still shows its class.
 
-    python tests/image_files.py ROOT --shape imagenet --per-class 100
+    python tools/image_files.py ROOT --shape imagenet --per-class 100
 """
 
 from __future__ import annotations

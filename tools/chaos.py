@@ -4,8 +4,8 @@ checkpoints every few steps), driven through a seeded schedule of faults, some l
 last is still being recovered from. When it ends, its weights and records are compared with a
 straight run of the same command: the promise is that whatever happened, they are the same.
 
-    python tests/chaos.py --faults 20 --seed 1     # a long schedule (a few minutes on 2 cores)
-    python tests/chaos.py --faults 3 --seed 7 --only kill_rank,preempt
+    python tools/chaos.py --faults 20 --seed 1     # a long schedule (a few minutes on 2 cores)
+    python tools/chaos.py --faults 3 --seed 7 --only kill_rank,preempt
 
 The faults (--only picks some):
 - kill_rank: SIGKILL one training process; its agent restarts the processes of every node.
@@ -407,7 +407,7 @@ def schedule(args: argparse.Namespace, base: Path, disk: Path | None) -> int:
             failed = failed or f"weights differ from the straight run's by {difference:.1e}"
     if failed:
         print(
-            f"FAILED: {failed}\nreplay: python tests/chaos.py --faults {args.faults} --seed "
+            f"FAILED: {failed}\nreplay: python tools/chaos.py --faults {args.faults} --seed "
             f"{args.seed} --only {','.join(args.only)}"
         )
         return 1

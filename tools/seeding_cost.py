@@ -2,7 +2,7 @@
 flipped with torchvision's transforms, each read as a rank reads it without workers (the model's
 torch stream kept aside and given back).
 
-    python tests/seeding_cost.py
+    python tools/seeding_cost.py
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 runs them, with the user's code noting the resident memory of its process every 50 ms and the phase it is in. GPT-2
 large needs the machine's memory and minutes, so it runs by hand; tests/test_fsdp.py runs FSDP on GPT-2 small.
 
-    python tests/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
-    python tests/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
-    python tests/fsdp_memory.py --gpu --batch-size 8 --tokens 1024  # 1 process per GPU, + FSDP with --cpu-offload
-    python tests/fsdp_memory.py --model gpt2-large --beyond-the-state  # what a rank holds beside its shards
+    python tools/fsdp_memory.py                                    # GPT-2 small: DDP, FSDP, FSDP + checkpointing
+    python tools/fsdp_memory.py --model gpt2-large --only FSDP     # 774M parameters: what DDP cannot hold here
+    python tools/fsdp_memory.py --gpu --batch-size 8 --tokens 1024  # 1 process per GPU, + FSDP with --cpu-offload
+    python tools/fsdp_memory.py --model gpt2-large --beyond-the-state  # what a rank holds beside its shards
 
 Each approach runs twice: 1 epoch of 2 steps (of 2 planned epochs), then the same command again, which continues
 from the checkpoint and trains the second. Phases of the first run: build (build_model), shard (FSDP's sharding and
@@ -29,7 +29,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from processes import metrics, run  # noqa: E402
-from test_your_own_data import copy_with_your_functions, launch  # noqa: E402
+from projects import copy_with_your_functions, launch  # noqa: E402
 
 # the user's code: random tokens, a GPT-2 from its config, the token loss; the memory noted by a thread per process
 MEASURED = '''

@@ -3,7 +3,7 @@ stays on the device, the scripts' model and step, timed with CUDA events, then
 the profiler's busiest operations. Compare its images/s with the benchmark's to
 see what the data loader and the rest of the script cost.
 
-    python tests/profile_step.py --arch resnet18 --amp-dtype bfloat16 --channels-last
+    python tools/profile_step.py --arch resnet18 --amp-dtype bfloat16 --channels-last
 """
 
 from __future__ import annotations
