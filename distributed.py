@@ -506,7 +506,7 @@ def main(teardown: ExitStack) -> None:
 
     # fixed input size: cuDNN times and picks its fastest kernels
     torch.backends.cudnn.benchmark = True
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    torch.manual_seed(args.seed)  # every rank's random streams alike (DDP sends rank 0's weights)
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device

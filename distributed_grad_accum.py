@@ -607,31 +607,30 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
     """What continues the run exactly: epochs done, and steps done in the next. Every rank calls
     it; rank 0 copies the state and writes it while training goes on (the others hold the same
     weights). Weights that are no longer finite end every rank; a full disk at the next step."""
-    args, model = run.args, run.model
     # all-reduce, every rank: the epoch's sums over all ranks, which the next record and epoch need
     progress = run.recorder.all_ranks_state_dict()
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
             # never NaN over the last good checkpoint
-            utils.check_finite(model, epoch, step, None, args)
+            utils.check_finite(run.model, epoch, step, None, run.args)
             checkpoint = {
-                "model": utils.unwrap(model).state_dict(),
+                "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
                 "ema": run.ema.state_dict(),
                 "records": progress,
                 "epoch": epoch,
                 "step": step,
-                "arch": args.arch,
-                "optimizer_name": args.optimizer,
-                "seed": args.seed,
+                "arch": run.args.arch,
+                "optimizer_name": run.args.optimizer,
+                "seed": run.args.seed,
                 "world_size": dist.get_world_size(),  # what continues says so
             }
-            run.saves.save(checkpoint, Path(args.output_dir) / "checkpoint.pt", run.watchdog)
-            if args.ema:  # and the average alone, with plain keys
+            run.saves.save(checkpoint, Path(run.args.output_dir) / "checkpoint.pt", run.watchdog)
+            if run.args.ema:  # and the average alone, with plain keys
                 with run.ema.swapped():
-                    state = utils.unwrap(model).state_dict()
-                    run.saves.save(state, Path(args.output_dir) / "model_ema.pt", run.watchdog)
+                    state = utils.unwrap(run.model).state_dict()
+                    run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
 
 
 def save_best(run: Training) -> None:
@@ -690,7 +689,7 @@ def main(teardown: ExitStack) -> None:
 
     # fixed input size: cuDNN times and picks its fastest kernels
     torch.backends.cudnn.benchmark = True
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    torch.manual_seed(args.seed)  # every rank's random streams alike (DDP sends rank 0's weights)
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device

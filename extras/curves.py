@@ -43,9 +43,10 @@ class Curves:
 def svg(records: list[dict]) -> str:
     """The records' panels, one under the other: each series a polyline of a point a record that
     holds it (data-series names it)."""
-    # the validation's accuracy, or the first metric of yours it records
+    # the validation's accuracy, or the first metric of yours it records (a regression: none)
     scores = [k for r in records for k in r if k.startswith("val_") and not k.endswith("_ema")]
-    score = next((k for k in ["val_acc", *scores] if k not in ("val_loss", "val_images")), None)
+    scores = [k for k in scores if k not in ("val_loss", "val_images")]
+    score = "val_acc" if "val_acc" in scores else next(iter(scores), None)
     panels = [
         ("loss", ["train_loss", "val_loss"], True),
         (score or "", [score] if score else [], False),

@@ -259,3 +259,34 @@ def test_the_records_plot_as_the_runs_own_curves(reference, tmp_path):
         ]
     )
     assert (tmp_path / "c.svg").read_bytes() == (reference["two"] / "curves.svg").read_bytes()
+    # without an accuracy (a regression), the first metric of the user's, or none: never an empty panel
+    import xml.etree.ElementTree as ET
+
+    from extras import curves
+
+    records = [
+        {"global_step": 1, "train_loss": 1.0},
+        {"global_step": 2, "val_loss": 0.5, "val_images": 9},
+    ]
+    for extra, series in (({"val_f1": 0.7, "val_f1_ema": 0.6}, ["val_f1"]), ({}, [])):
+        root = ET.fromstring(curves.svg([records[0], {**records[1], **extra}]))
+        drawn = [
+            line.get("data-series") for line in root.iter("{http://www.w3.org/2000/svg}polyline")
+        ]
+        assert drawn == ["train_loss", "val_loss", *series], drawn
+        frames = list(root.iter("{http://www.w3.org/2000/svg}rect"))
+        assert len(frames) == 1 + len(series)  # a frame a panel
+    # a metrics.jsonl holds epochs, not steps: the curves say so in one line
+    failed = run(
+        [
+            PYTHON,
+            "tools/plot_records.py",
+            reference["two"] / "metrics.jsonl",
+            "--out",
+            tmp_path / "m.svg",
+        ],
+        check=False,
+    )
+    assert failed.returncode == 1 and failed.stderr.strip().endswith(
+        "(metrics.jsonl: with --phases)"
+    )

@@ -45,6 +45,10 @@ def main() -> None:
     args = parser.parse_args()
     records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
     if not args.phases:
+        if not all("global_step" in record for record in records):
+            sys.exit(
+                f"{args.records}: the curves need a steps.jsonl (metrics.jsonl: with --phases)"
+            )
         args.out.write_text(curves.svg(records))
         return
     timed = [record for record in records if record.get("phase_ms")]
