@@ -1,13 +1,18 @@
 """The core every script imports: what makes any run right, in one file of torch and the standard
-library. In the order a reader of distributed.py meets it:
+library. Top to bottom:
 
-- errors: UsageError, and run_main, which ends every error of ours or a library's in one line;
 - the ranks: joining the process group on loopback unless told otherwise (init_method,
-  rendezvous_store), which rank prints (log), each rank's part of a global batch (share,
-  split_batch), collectives that also work in a world of one, and errors_shared_by_all_ranks, a
-  block that every rank enters and that ends every rank with one rank's error;
+  rendezvous_store), which rank prints (setup_logging), collectives that also work in a world of
+  one, and errors_shared_by_all_ranks, a block that every rank enters and that ends every rank
+  with one rank's error;
+- a batch of any task: each rank's part of a global batch (share, split_batch), on the device,
+  forwarded, its loss weighted so that W processes train what one does (loss_for_backward); the
+  validation's shares, every sample once (ValidationShares);
 - the stop every rank agrees on (StopSignal: SIGTERM, SIGUSR1, --save-minutes);
-- the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags).
+- every random draw from the seed and where it is drawn; files written whole; models trained
+  together (a GAN's);
+- the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags);
+- errors: UsageError, and run_main, which ends every error of ours or a library's in one line.
 
 Every other guarantee is an extra, a module of extras/ that a script imports where it uses it.
 """
@@ -56,231 +61,6 @@ if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):
         f"error: the scripts need PyTorch 2.8 or newer, not {torch.__version__}: pip install -r"
         " requirements.txt"
     )
-
-
-# ---- errors: one line for what a user can act on ----
-
-
-class UsageError(Exception):
-    """A mistake the user can fix: printed as one line, exit status 1."""
-
-    def __str__(self) -> str:
-        text = super().__str__()
-        # One raised in a DataLoader worker (a file that cannot be read) comes with the worker's
-        # traceback, its own line last.
-        if text.startswith("Caught UsageError in DataLoader worker"):
-            return text.rsplit("UsageError: ", 1)[-1].strip()
-        return text
-
-
-def first_line(error: BaseException) -> str:
-    """The error's first line: PyTorch's distributed errors append a C++ stack trace."""
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
-
-
-def raised_in(error: BaseException, *places: str) -> bool:
-    """Was error raised (its innermost frame) in one of these files or folders: a library's or
-    ours, not the user's?"""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and frames[-1].filename.startswith(places)
-
-
-def called_from(error: BaseException) -> str:
-    """', at collate (distributed.py:66)': the user's line that called the library that raised
-    error, if any."""
-    frames = traceback.extract_tb(error.__traceback__)
-    # Below this folder's frames: in the user's collate or model, not the script's call.
-    ours = [i for i, frame in enumerate(frames) if frame.filename.startswith(OURS)]
-    below = frames[ours[-1] + 1 :] if ours else frames
-    frame = user_frame(below)
-    if frame is None:
-        return ""
-    return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
-
-
-@contextlib.contextmanager
-def refused_as_one_line(what: str, then: str = ""):
-    """A library's refusal inside (torch's: a layer's shapes, a loss's dtypes, default_collate's
-    sizes) as one line: what, its words at the user's line that called it, then; an error the
-    user's code raised itself is theirs, traceback and all."""
-    try:
-        yield
-    except (RuntimeError, ValueError, AssertionError, TypeError, IndexError, KeyError) as e:
-        if not raised_in(e, *LIBRARIES):
-            raise
-        raise UsageError(f"{what}: {first_line(e)}{called_from(e)}{then}") from None
-
-
-class Stopped(Exception):
-    """Stopped by a signal after a step all ranks agreed on, and saved there."""
-
-    def __init__(self, signum: int, epoch: int, step: int, steps: int):
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} after step {step}/{steps} of epoch"
-            f" {epoch + 1}, saved: the same command continues from there"
-        )
-        self.signum = signum
-
-
-def write_line(line: str) -> None:
-    """A line on stderr in one write(): print() writes the newline apart, so the lines of ranks
-    failing at once could run together. On a terminal the line the cursor is on is cleared first:
-    where rank 0's live line stands (extras/live.py), another rank's line replaces it."""
-    sys.stderr.write(("\r\033[K" if sys.stderr.isatty() else "") + f"{line}\n")
-
-
-def run_main(
-    main: Callable[[contextlib.ExitStack], None], say: Callable[[str], object] = write_line
-) -> None:
-    """Run main(teardown); a user's error ends in one line, said (printed, or sent to
-    distributed_mp.py's parent), and exit status 1. What main enters in teardown (the watchdog)
-    is closed as main ends, before the error's line."""
-    exit_code = 0
-    line = None
-    try:
-        # Closed before the except blocks: a watchdog ending the run (this error followed from the
-        # stall) ends it alone, with its own line.
-        with contextlib.ExitStack() as teardown:
-            main(teardown)
-    except Stopped as e:
-        write_line(str(e))
-        exit_code = 128 + e.signum  # as a shell reports a process ended by that signal
-    except UsageError as e:
-        line = f"error: {e}"
-    except torch.cuda.OutOfMemoryError:
-        line = "error: out of GPU memory: lower --batch-size"
-    except KeyboardInterrupt:
-        line = "interrupted"
-    except Exception as e:
-        line = error_line(e)
-        if line is None:
-            # A bug, the user's or ours: its traceback in one write (print_exc writes it a line
-            # at a time, and the ranks that raise at once would interleave theirs).
-            write_line(traceback.format_exc().rstrip("\n"))
-            exit_code = 1
-    finally:
-        # A line to say: torchrun's SIGTERM, sent once another rank has ended with the same error,
-        # waits for it (the teardown below can take a loaded machine a second).
-        if line is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # After the except blocks, whose exception kept main's frames (the model, DDP, FSDP)
-        # alive: free them and their process groups while the interpreter is whole.
-        gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    if line is not None:
-        # said once a node, where its ranks all end with it; each rank's is in torchrun's summary
-        if first_to_say(line):
-            say(line)
-        record_for_torchrun(line)
-        exit_code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # A run ends as a Python program does, so that the user's atexit handlers and finally blocks
-    # run: returning, or sys.exit with its status.
-    if exit_code:
-        sys.exit(exit_code)
-
-
-def first_to_say(line: str) -> bool:
-    """Is this rank the first of its node to end with line? Under torchrun the ranks of a node
-    share their attempt's folder (the parent of each rank's error file's folder): the first to
-    create a file named for the line there says it. Without torchrun, every process says its own
-    (distributed_mp.py's parent says one)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    # torchrun's layout: ATTEMPT/LOCAL_RANK/error.json, a new attempt folder each start
-    if not path or not Path(path).parents[1].name.startswith("attempt_"):
-        return True
-    said = Path(path).parents[1] / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
-    try:
-        os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:
-        pass  # the folder cannot be written: said by each rank, as without torchrun
-    return True
-
-
-def record_for_torchrun(line: str) -> None:
-    """Under torchrun: the line in its error file (TORCHELASTIC_ERROR_FILE), so that the summary of
-    failed processes it prints after the ranks' lines names the cause ("traceback : ...") instead
-    of a link to its docs. What torchrun reads is its ErrorHandler's format."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # without "error: ": the ranks' own lines stay the only ones that start so
-    cause = line.removeprefix("error: ")
-    message = {
-        "message": cause,
-        "extraInfo": {"py_callstack": cause, "timestamp": str(int(time.time()))},
-    }
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": message}, f)
-    except OSError:
-        pass  # the summary points at torchrun's docs, as without it
-
-
-def error_line(error: Exception) -> str | None:
-    """The one line for an error the user can act on that is not theirs to debug: a DataLoader
-    worker killed, a failed collective. None for any other (a bug, the user's or ours), which
-    keeps its traceback."""
-    if not isinstance(error, (RuntimeError, ConnectionError, TimeoutError)):
-        return None
-    # A worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset too large
-    # for /dev/shm. PyTorch's own line is the cause where it saw the signal (a forked worker).
-    text = str(error)
-    if text.startswith("DataLoader worker") or "unable to write to file </torch_" in text:
-        said = error
-        if str(error.__cause__).startswith("DataLoader worker"):
-            said = error.__cause__
-        what = first_line(said).split(". ")[0].rstrip(".")
-        return (
-            f"error: {what}: lower --workers or --batch-size where memory or /dev/shm ran out"
-            " (docker run --shm-size), or see a crash with --workers 0"
-        )
-    # gloo reports a dead peer or a timeout as a plain RuntimeError (DistError is one too), raised
-    # in torch or here; any other (a stream's own ConnectionError) is a bug: keep its traceback.
-    words = r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer"
-    in_torch = raised_in(error, str(Path(torch.__file__).parent), *OURS)
-    if isinstance(error, dist.DistError) or (in_torch and re.search(words, text)):
-        said = first_line(error)
-        # a peer gone: said so, in gloo's words without its source paths and its sign-off
-        peer_gone = r"Connection (closed|reset) by peer[^.]*|Broken pipe|remote process exited"
-        gone = re.search(peer_gone, said)
-        if gone:
-            said = f"another process ended first (its own error says why): {gone[0]}"
-        return f"error: distributed communication failed: {said}"
-    return None
-
-
-# The files of the standard library and installed packages, torch's wherever it is installed.
-LIBRARIES = tuple(
-    {
-        *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-        str(Path(torch.__file__).parents[1]),
-    }
-)
-
-
-# This file and the extras beside it: ours, not the user's (the scripts are the user's to edit).
-OURS = (
-    os.path.abspath(__file__),
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "extras", ""),
-)
-
-
-def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame of the user's code or the script (one of ours if none): not a
-    library's."""
-    not_libraries = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
-    for frame in reversed(not_libraries):
-        if not frame.filename.startswith(OURS):
-            return frame
-    if not_libraries:
-        return not_libraries[-1]
-    return None
 
 
 # ---- the ranks: the process group, each rank's part, collectives ----
@@ -525,6 +305,208 @@ def errors_shared_by_all_ranks():
         raise UsageError(errors[0])
 
 
+# ---- any batch of any task: counted, on the device, forwarded, weighted; each rank's part ----
+
+
+class Counted:
+    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples
+    (pickled to the workers with the collate it holds). What a library refuses in collate
+    (default_collate: samples of two sizes) is one line at the user's line, at the start-up check
+    or mid-epoch, in a worker or not (errors.refused_as_one_line); an error collate raises itself
+    is the user's."""
+
+    def __init__(self, collate: Callable[[list], object]):
+        self.collate = collate
+
+    def __call__(self, samples: list) -> tuple[int, object]:
+        with refused_as_one_line("collate cannot batch its samples", then="; pad them"):
+            return len(samples), self.collate(samples)
+
+
+def forward(model: nn.Module, inputs):
+    """A dict of inputs as keyword arguments, as Hugging Face models take them; anything else as
+    one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def loss_for_backward(loss, samples: int, batch_size: int):
+    """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
+    DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
+    the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
+    as sum x world size / all ranks' count (one small all-reduce, every rank), whatever each rank's
+    count."""
+    if isinstance(loss, torch.Tensor):
+        weight = samples * world_size() / batch_size
+        if weight == 1:
+            return loss
+        return loss * weight
+    total, count = loss
+    count = all_reduce(count_to_device(count, total.device))
+    return total * (world_size() / count.clamp(min=1)).to(total.dtype)
+
+
+def logits(outputs):
+    """The scores in outputs: themselves, or the logits of a dict or a Hugging Face ModelOutput."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("logits")
+    return getattr(outputs, "logits", outputs)
+
+
+def class_indices(outputs, targets) -> bool:
+    """Are targets class indices for scores at outputs' dim 1 (classification, per-pixel
+    classification)?"""
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return False
+    whole_numbers = not (
+        targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
+    )
+    one_score_each = outputs.shape[:1] + outputs.shape[2:] == targets.shape
+    return (
+        outputs.is_floating_point()
+        and whole_numbers
+        and outputs.dim() == targets.dim() + 1
+        and one_score_each
+    )
+
+
+def batch_to_device(
+    batch,
+    device: torch.device,
+    dataset: Dataset,
+    channels_last: bool = False,
+    key: tuple[int, int] | None = None,
+):
+    """(inputs, targets) of any structure on the device. A dataset with a batch_transform(inputs,
+    key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
+    validation one: the built-in images' fast path (builtin); a user's Dataset has none."""
+    inputs, targets = batch
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+    else:
+        # A tokenizer's BatchEncoding goes in as a plain dict.
+        if isinstance(inputs, Mapping):
+            inputs = dict(inputs)
+        inputs, targets = tree_map_only(
+            torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
+        )
+    transform = getattr(dataset, "batch_transform", None)
+    if transform is not None:
+        inputs = transform(inputs, key)
+    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """tensor on device, the host not waiting for the copy: to a GPU from pinned memory (the
+    DataLoader's pin_memory pins a batch already; a tensor made on the host is pinned here)."""
+    if device.type == "cuda" and not tensor.is_cuda and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def count_to_device(count, device: torch.device) -> torch.Tensor:
+    """A count (a Python number, or a tensor anywhere) as a new float64 tensor on device, copied
+    without a wait."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device, torch.float64, non_blocking=True, copy=True)
+    return to_device(torch.tensor(count, dtype=torch.float64), device)
+
+
+def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
+    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (which a
+    stream without __len__ needs)."""
+    try:
+        batches = len(loader) // micro_batches
+    except TypeError as e:
+        # A TypeError in the stream's own __len__ is the user's error.
+        if not raised_in(e, *OURS):
+            raise
+        # A stream without __len__: an epoch is one pass, cut at N steps.
+        if not args.steps_per_epoch:
+            raise UsageError(
+                "the training set is a stream without __len__: give --steps-per-epoch N, the "
+                "optimizer steps of an epoch"
+            ) from None
+        batches = args.steps_per_epoch
+    if args.steps_per_epoch:
+        return min(batches, args.steps_per_epoch)
+    return batches
+
+
+def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
+    """The loader for this epoch (call its sampler's set_epoch first): a dataset with set_epoch is
+    told the epoch (the built-in image folder draws its crops from it); continued mid-epoch,
+    without its first skip batches."""
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+    if not skip:
+        return loader
+    # The indices after them in this epoch's order; a stream's batches are read again, not
+    # collated.
+    rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
+    return DataLoader(
+        loader.dataset,
+        loader.batch_size,
+        sampler=rest,
+        drop_last=loader.drop_last,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        generator=loader.generator,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+    )
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
+    spare batch."""
+    # A stream's sampler (streams.StreamSampler) reads them from the stream.
+    if hasattr(loader.sampler, "first"):
+        return loader.sampler.first(n)
+    # A share of nothing (a validation sampler with no index) takes the first of the set.
+    indices = loader.sampler or range(len(loader.dataset))
+    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
+    if hasattr(loader.dataset, "first_drawn"):
+        return loader.dataset.first_drawn(indices, n)
+    return [loader.dataset[i] for i in itertools.islice(indices, n)]
+
+
+def samples_in_step(sampler, step: int, batch_size: int) -> int:
+    """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew
+    (samplers.DrawnShares says)."""
+    if hasattr(sampler, "samples_in_step"):
+        return sampler.samples_in_step(step)
+    return batch_size
+
+
+class ValidationShares(Sampler):
+    """Validation's batches of this rank's samples (indices: range(rank, len(val_set), W), every
+    sample once): its share of each global batch of batch_size in the set's order, so that a loss
+    over the whole batch (batches.whole_batch) sees one process's batches. A last batch of fewer
+    samples than ranks joins the one before it: every rank has the same number of batches (but
+    for a set of fewer samples than ranks)."""
+
+    def __init__(self, indices: range, batch_size: int):
+        self.indices = indices
+        self.starts = list(range(0, indices.stop, batch_size))
+        if len(self.starts) > 1 and indices.stop - self.starts[-1] < indices.step:
+            self.starts.pop()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __iter__(self):
+        first, end, step = self.indices.start, self.indices.stop, self.indices.step
+        for start, stop in zip(self.starts, [*self.starts[1:], end]):
+            share = list(range(start + (first - start) % step, stop, step))
+            if share:  # a set of fewer samples than ranks: none for the last ranks
+                yield share
+
+
 # ---- the stop every rank agrees on ----
 
 
@@ -629,6 +611,168 @@ def next_batch(batches) -> tuple[object, str]:
         return next(batches, None), ""
     except UsageError as e:
         return None, str(e)
+
+
+# ---- every random draw from the seed and where it is drawn ----
+
+
+def derive(*keys) -> int:
+    """A seed of 63 bits from keys (whole numbers or strings): far apart for keys that differ by
+    one, as torch, random and NumPy each want."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_data_streams(seed: int) -> None:
+    """torch's, Python's and (where imported) NumPy's global random streams, from seed."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def drawn_from(seed: int, *where):
+    """with drawn_from(seed, *where): the block's draws from the global streams come from (seed,
+    *where) alone. In a rank's own process (no DataLoader worker) torch's stream is given back
+    afterwards: it is the model's (dropout)."""
+    kept = None
+    if get_worker_info() is None:
+        kept = torch.default_generator.get_state()
+    seed_data_streams(derive(seed, *where))
+    try:
+        yield
+    finally:
+        if kept is not None:
+            torch.default_generator.set_state(kept)
+
+
+def seed_step(seed: int, epoch: int, step: int) -> None:
+    """Before a step's forward: this rank's own random streams inside the model (dropout,
+    stochastic depth), on the CPU and every GPU (DataParallel's replicas each their own), from
+    (seed, rank, epoch, step), so that ranks draw independently and a run continued at any step
+    draws what a straight one does. Python's and NumPy's global streams too: what the samples read
+    in this process before (their own seeds) is given back to the step's code. No GPU work: a
+    generator's seed is set on the host."""
+    step_seed = derive(seed, "model", rank(), epoch, step)
+    seed_data_streams(step_seed)
+    if torch.cuda.is_initialized():
+        for device, generator in enumerate(torch.cuda.default_generators):
+            generator.manual_seed(derive(step_seed, device))
+
+
+# ---- files written whole; what ends a run that went wrong ----
+
+
+def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
+    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the
+    previous file and no temporary file; a failed write is an OSError that names path. A watchdog
+    given (stalls.Watchdog) takes the temporary file's growth for progress."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    saving = contextlib.nullcontext()
+    if watchdog is not None:
+        saving = watchdog.writing(path, tmp)
+    try:
+        with saving, open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        # torch.save's zip writer fails again, at its end of file, after a failed write: that
+        # write's error is why.
+        error = e
+        if isinstance(e, RuntimeError):
+            error = e.__context__
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from None
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """A JSON line, whole or not at all, for a continued run."""
+    line = (json.dumps(record) + "\n").encode()
+    # One write; what fitted of it, where the disk is full, is cut off again.
+    with open(path, "ab", buffering=0) as f:
+        size = f.tell()
+        try:
+            if f.write(line) < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            f.truncate(size)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
+    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save
+    shows or keeps it."""
+    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
+    finite = all(math.isfinite(value) for value in losses)
+    if finite and model is not None:
+        finite = all(local_shard(p).isfinite().all() for p in model.parameters())
+    if finite:
+        return
+    where = f"in epoch {epoch}"
+    if step:
+        where = f"by step {step} of epoch {epoch + 1}"
+    clip = ""
+    if not args.clip_grad:
+        clip = ", or use --clip-grad"
+    raise UsageError(
+        f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr"
+        f" (peak {args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite"
+        " checkpoints were saved"
+    )
+
+
+def describe_value(value) -> str:
+    """A tensor's shape, a tuple's or list's length, or the type."""
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+# ---- models trained together (a GAN's), each in its own DDP ----
+
+
+class TrainedTogether(nn.ModuleDict):
+    """Models trained together, by name (a GAN's generator and discriminator), as build_model
+    returns them: each in its own DDP, with its own optimizer and schedule, run.model["generator"];
+    its forward (a subclass's) is what validation and the start-up check call."""
+
+
+class Wrapped(nn.ModuleDict):
+    """Models trained together (TrainedTogether), each in its own wrapper, wrap(part, **options)
+    (its own DDP): run.model["generator"]. Its module, which unwrap() gives, is the ModuleDict as
+    built: what validation calls, what the checkpoints save."""
+
+    def __init__(self, models: nn.ModuleDict, wrap: Callable[..., nn.Module], **options):
+        super().__init__({name: wrap(part, **options) for name, part in models.items()})
+        self.__dict__["module"] = models  # not a submodule: its weights are the parts' own
+
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        for part in self.values():
+            part.register_comm_hook(state, hook)
+
+    def train(self, mode: bool = True) -> Wrapped:
+        self.module.train(mode)  # the ModuleDict as built too, whose forward validation calls
+        return super().train(mode)
+
+
+def each(model: nn.Module, wrap: Callable[..., nn.Module], **options) -> nn.Module:
+    """wrap(model, **options); models trained together (Wrapped): each part so, in its place."""
+    if not isinstance(model, Wrapped):
+        return wrap(model, **options)
+    for name, part in list(model.items()):
+        model[name] = wrap(part, **options)
+    return model
 
 
 # ---- the flags every script shares ----
@@ -990,365 +1134,226 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-# ---- any batch of any task: counted, on the device, forwarded, weighted; each rank's part ----
+# ---- errors: one line for what a user can act on ----
 
 
-class Counted:
-    """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples
-    (pickled to the workers with the collate it holds). What a library refuses in collate
-    (default_collate: samples of two sizes) is one line at the user's line, at the start-up check
-    or mid-epoch, in a worker or not (errors.refused_as_one_line); an error collate raises itself
-    is the user's."""
+class UsageError(Exception):
+    """A mistake the user can fix: printed as one line, exit status 1."""
 
-    def __init__(self, collate: Callable[[list], object]):
-        self.collate = collate
-
-    def __call__(self, samples: list) -> tuple[int, object]:
-        with refused_as_one_line("collate cannot batch its samples", then="; pad them"):
-            return len(samples), self.collate(samples)
+    def __str__(self) -> str:
+        text = super().__str__()
+        # One raised in a DataLoader worker (a file that cannot be read) comes with the worker's
+        # traceback, its own line last.
+        if text.startswith("Caught UsageError in DataLoader worker"):
+            return text.rsplit("UsageError: ", 1)[-1].strip()
+        return text
 
 
-def forward(model: nn.Module, inputs):
-    """A dict of inputs as keyword arguments, as Hugging Face models take them; anything else as
-    one argument."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs)
+def first_line(error: BaseException) -> str:
+    """The error's first line: PyTorch's distributed errors append a C++ stack trace."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
 
 
-def loss_for_backward(loss, samples: int, batch_size: int):
-    """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
-    DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
-    the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
-    as sum x world size / all ranks' count (one small all-reduce, every rank), whatever each rank's
-    count."""
-    if isinstance(loss, torch.Tensor):
-        weight = samples * world_size() / batch_size
-        if weight == 1:
-            return loss
-        return loss * weight
-    total, count = loss
-    count = all_reduce(count_to_device(count, total.device))
-    return total * (world_size() / count.clamp(min=1)).to(total.dtype)
+def raised_in(error: BaseException, *places: str) -> bool:
+    """Was error raised (its innermost frame) in one of these files or folders: a library's or
+    ours, not the user's?"""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(places)
 
 
-def logits(outputs):
-    """The scores in outputs: themselves, or the logits of a dict or a Hugging Face ModelOutput."""
-    if isinstance(outputs, Mapping):
-        return outputs.get("logits")
-    return getattr(outputs, "logits", outputs)
-
-
-def class_indices(outputs, targets) -> bool:
-    """Are targets class indices for scores at outputs' dim 1 (classification, per-pixel
-    classification)?"""
-    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
-        return False
-    whole_numbers = not (
-        targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
-    )
-    one_score_each = outputs.shape[:1] + outputs.shape[2:] == targets.shape
-    return (
-        outputs.is_floating_point()
-        and whole_numbers
-        and outputs.dim() == targets.dim() + 1
-        and one_score_each
-    )
-
-
-def batch_to_device(
-    batch,
-    device: torch.device,
-    dataset: Dataset,
-    channels_last: bool = False,
-    key: tuple[int, int] | None = None,
-):
-    """(inputs, targets) of any structure on the device. A dataset with a batch_transform(inputs,
-    key) has it finish the inputs there, key (epoch, step) for a training batch and None for a
-    validation one: the built-in images' fast path (builtin); a user's Dataset has none."""
-    inputs, targets = batch
-    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor):
-        inputs, targets = to_device(inputs, device), to_device(targets, device)
-    else:
-        # A tokenizer's BatchEncoding goes in as a plain dict.
-        if isinstance(inputs, Mapping):
-            inputs = dict(inputs)
-        inputs, targets = tree_map_only(
-            torch.Tensor, functools.partial(to_device, device=device), (inputs, targets)
-        )
-    transform = getattr(dataset, "batch_transform", None)
-    if transform is not None:
-        inputs = transform(inputs, key)
-    if channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    return inputs, targets
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """tensor on device, the host not waiting for the copy: to a GPU from pinned memory (the
-    DataLoader's pin_memory pins a batch already; a tensor made on the host is pinned here)."""
-    if device.type == "cuda" and not tensor.is_cuda and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
-def count_to_device(count, device: torch.device) -> torch.Tensor:
-    """A count (a Python number, or a tensor anywhere) as a new float64 tensor on device, copied
-    without a wait."""
-    if isinstance(count, torch.Tensor):
-        return count.to(device, torch.float64, non_blocking=True, copy=True)
-    return to_device(torch.tensor(count, dtype=torch.float64), device)
-
-
-def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
-    """Optimizer steps in an epoch: the loader's full batches, cut at --steps-per-epoch (which a
-    stream without __len__ needs)."""
-    try:
-        batches = len(loader) // micro_batches
-    except TypeError as e:
-        # A TypeError in the stream's own __len__ is the user's error.
-        if not raised_in(e, *OURS):
-            raise
-        # A stream without __len__: an epoch is one pass, cut at N steps.
-        if not args.steps_per_epoch:
-            raise UsageError(
-                "the training set is a stream without __len__: give --steps-per-epoch N, the "
-                "optimizer steps of an epoch"
-            ) from None
-        batches = args.steps_per_epoch
-    if args.steps_per_epoch:
-        return min(batches, args.steps_per_epoch)
-    return batches
-
-
-def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
-    """The loader for this epoch (call its sampler's set_epoch first): a dataset with set_epoch is
-    told the epoch (the built-in image folder draws its crops from it); continued mid-epoch,
-    without its first skip batches."""
-    if hasattr(loader.dataset, "set_epoch"):
-        loader.dataset.set_epoch(epoch)
-    if not skip:
-        return loader
-    # The indices after them in this epoch's order; a stream's batches are read again, not
-    # collated.
-    rest = itertools.islice(loader.sampler, skip * (loader.batch_size or 1), None)
-    return DataLoader(
-        loader.dataset,
-        loader.batch_size,
-        sampler=rest,
-        drop_last=loader.drop_last,
-        collate_fn=loader.collate_fn,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        generator=loader.generator,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-    )
-
-
-def first_samples(loader: DataLoader, n: int) -> list:
-    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
-    spare batch."""
-    # A stream's sampler (streams.StreamSampler) reads them from the stream.
-    if hasattr(loader.sampler, "first"):
-        return loader.sampler.first(n)
-    # A share of nothing (a validation sampler with no index) takes the first of the set.
-    indices = loader.sampler or range(len(loader.dataset))
-    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
-    if hasattr(loader.dataset, "first_drawn"):
-        return loader.dataset.first_drawn(indices, n)
-    return [loader.dataset[i] for i in itertools.islice(indices, n)]
-
-
-def samples_in_step(sampler, step: int, batch_size: int) -> int:
-    """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew
-    (samplers.DrawnShares says)."""
-    if hasattr(sampler, "samples_in_step"):
-        return sampler.samples_in_step(step)
-    return batch_size
-
-
-class ValidationShares(Sampler):
-    """Validation's batches of this rank's samples (indices: range(rank, len(val_set), W), every
-    sample once): its share of each global batch of batch_size in the set's order, so that a loss
-    over the whole batch (batches.whole_batch) sees one process's batches. A last batch of fewer
-    samples than ranks joins the one before it: every rank has the same number of batches (but
-    for a set of fewer samples than ranks)."""
-
-    def __init__(self, indices: range, batch_size: int):
-        self.indices = indices
-        self.starts = list(range(0, indices.stop, batch_size))
-        if len(self.starts) > 1 and indices.stop - self.starts[-1] < indices.step:
-            self.starts.pop()
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __iter__(self):
-        first, end, step = self.indices.start, self.indices.stop, self.indices.step
-        for start, stop in zip(self.starts, [*self.starts[1:], end]):
-            share = list(range(start + (first - start) % step, stop, step))
-            if share:  # a set of fewer samples than ranks: none for the last ranks
-                yield share
-
-
-# ---- every random draw from the seed and where it is drawn ----
-
-
-def derive(*keys) -> int:
-    """A seed of 63 bits from keys (whole numbers or strings): far apart for keys that differ by
-    one, as torch, random and NumPy each want."""
-    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def seed_data_streams(seed: int) -> None:
-    """torch's, Python's and (where imported) NumPy's global random streams, from seed."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)
+def called_from(error: BaseException) -> str:
+    """', at collate (distributed.py:66)': the user's line that called the library that raised
+    error, if any."""
+    frames = traceback.extract_tb(error.__traceback__)
+    # Below this folder's frames: in the user's collate or model, not the script's call.
+    ours = [i for i, frame in enumerate(frames) if frame.filename.startswith(OURS)]
+    below = frames[ours[-1] + 1 :] if ours else frames
+    frame = user_frame(below)
+    if frame is None:
+        return ""
+    return f", at {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
 
 
 @contextlib.contextmanager
-def drawn_from(seed: int, *where):
-    """with drawn_from(seed, *where): the block's draws from the global streams come from (seed,
-    *where) alone. In a rank's own process (no DataLoader worker) torch's stream is given back
-    afterwards: it is the model's (dropout)."""
-    kept = None
-    if get_worker_info() is None:
-        kept = torch.default_generator.get_state()
-    seed_data_streams(derive(seed, *where))
+def refused_as_one_line(what: str, then: str = ""):
+    """A library's refusal inside (torch's: a layer's shapes, a loss's dtypes, default_collate's
+    sizes) as one line: what, its words at the user's line that called it, then; an error the
+    user's code raised itself is theirs, traceback and all."""
     try:
         yield
-    finally:
-        if kept is not None:
-            torch.default_generator.set_state(kept)
-
-
-def seed_step(seed: int, epoch: int, step: int) -> None:
-    """Before a step's forward: this rank's own random streams inside the model (dropout,
-    stochastic depth), on the CPU and every GPU (DataParallel's replicas each their own), from
-    (seed, rank, epoch, step), so that ranks draw independently and a run continued at any step
-    draws what a straight one does. Python's and NumPy's global streams too: what the samples read
-    in this process before (their own seeds) is given back to the step's code. No GPU work: a
-    generator's seed is set on the host."""
-    step_seed = derive(seed, "model", rank(), epoch, step)
-    seed_data_streams(step_seed)
-    if torch.cuda.is_initialized():
-        for device, generator in enumerate(torch.cuda.default_generators):
-            generator.manual_seed(derive(step_seed, device))
-
-
-# ---- files written whole; what ends a run that went wrong ----
-
-
-def write_atomically(path: Path, data: bytes | Callable, watchdog=None) -> None:
-    """data, or what data(file) writes, at path: a crash or a full disk mid-write leaves the
-    previous file and no temporary file; a failed write is an OSError that names path. A watchdog
-    given (stalls.Watchdog) takes the temporary file's growth for progress."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    saving = contextlib.nullcontext()
-    if watchdog is not None:
-        saving = watchdog.writing(path, tmp)
-    try:
-        with saving, open(tmp, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        tmp.unlink(missing_ok=True)
-        # torch.save's zip writer fails again, at its end of file, after a failed write: that
-        # write's error is why.
-        error = e
-        if isinstance(e, RuntimeError):
-            error = e.__context__
-        if not isinstance(error, OSError):
+    except (RuntimeError, ValueError, AssertionError, TypeError, IndexError, KeyError) as e:
+        if not raised_in(e, *LIBRARIES):
             raise
-        raise OSError(error.errno, error.strerror, str(path)) from None
+        raise UsageError(f"{what}: {first_line(e)}{called_from(e)}{then}") from None
 
 
-def append_metrics(path: Path, record: dict) -> None:
-    """A JSON line, whole or not at all, for a continued run."""
-    line = (json.dumps(record) + "\n").encode()
-    # One write; what fitted of it, where the disk is full, is cut off again.
-    with open(path, "ab", buffering=0) as f:
-        size = f.tell()
-        try:
-            if f.write(line) < len(line):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError as e:
-            f.truncate(size)
-            raise OSError(e.errno, e.strerror, str(path)) from None
+class Stopped(Exception):
+    """Stopped by a signal after a step all ranks agreed on, and saved there."""
+
+    def __init__(self, signum: int, epoch: int, step: int, steps: int):
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}/{steps} of epoch"
+            f" {epoch + 1}, saved: the same command continues from there"
+        )
+        self.signum = signum
 
 
-def check_finite(model: nn.Module | None, epoch: int, step: int, record: dict | None, args) -> None:
-    """A NaN or infinite loss or weight ends the run before a progress line (model None) or a save
-    shows or keeps it."""
-    losses = [value for key, value in (record or {}).items() if key.endswith("_loss")]
-    finite = all(math.isfinite(value) for value in losses)
-    if finite and model is not None:
-        finite = all(local_shard(p).isfinite().all() for p in model.parameters())
-    if finite:
+def write_line(line: str) -> None:
+    """A line on stderr in one write(): print() writes the newline apart, so the lines of ranks
+    failing at once could run together. On a terminal the line the cursor is on is cleared first:
+    where rank 0's live line stands (extras/live.py), another rank's line replaces it."""
+    sys.stderr.write(("\r\033[K" if sys.stderr.isatty() else "") + f"{line}\n")
+
+
+def run_main(
+    main: Callable[[contextlib.ExitStack], None], say: Callable[[str], object] = write_line
+) -> None:
+    """Run main(teardown); a user's error ends in one line, said (printed, or sent to
+    distributed_mp.py's parent), and exit status 1. What main enters in teardown (the watchdog)
+    is closed as main ends, before the error's line."""
+    exit_code = 0
+    line = None
+    try:
+        # Closed before the except blocks: a watchdog ending the run (this error followed from the
+        # stall) ends it alone, with its own line.
+        with contextlib.ExitStack() as teardown:
+            main(teardown)
+    except Stopped as e:
+        write_line(str(e))
+        exit_code = 128 + e.signum  # as a shell reports a process ended by that signal
+    except UsageError as e:
+        line = f"error: {e}"
+    except torch.cuda.OutOfMemoryError:
+        line = "error: out of GPU memory: lower --batch-size"
+    except KeyboardInterrupt:
+        line = "interrupted"
+    except Exception as e:
+        line = error_line(e)
+        if line is None:
+            # A bug, the user's or ours: its traceback in one write (print_exc writes it a line
+            # at a time, and the ranks that raise at once would interleave theirs).
+            write_line(traceback.format_exc().rstrip("\n"))
+            exit_code = 1
+    finally:
+        # A line to say: torchrun's SIGTERM, sent once another rank has ended with the same error,
+        # waits for it (the teardown below can take a loaded machine a second).
+        if line is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # After the except blocks, whose exception kept main's frames (the model, DDP, FSDP)
+        # alive: free them and their process groups while the interpreter is whole.
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if line is not None:
+        # said once a node, where its ranks all end with it; each rank's is in torchrun's summary
+        if first_to_say(line):
+            say(line)
+        record_for_torchrun(line)
+        exit_code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A run ends as a Python program does, so that the user's atexit handlers and finally blocks
+    # run: returning, or sys.exit with its status.
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def first_to_say(line: str) -> bool:
+    """Is this rank the first of its node to end with line? Under torchrun the ranks of a node
+    share their attempt's folder (the parent of each rank's error file's folder): the first to
+    create a file named for the line there says it. Without torchrun, every process says its own
+    (distributed_mp.py's parent says one)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    # torchrun's layout: ATTEMPT/LOCAL_RANK/error.json, a new attempt folder each start
+    if not path or not Path(path).parents[1].name.startswith("attempt_"):
+        return True
+    said = Path(path).parents[1] / f"said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass  # the folder cannot be written: said by each rank, as without torchrun
+    return True
+
+
+def record_for_torchrun(line: str) -> None:
+    """Under torchrun: the line in its error file (TORCHELASTIC_ERROR_FILE), so that the summary of
+    failed processes it prints after the ranks' lines names the cause ("traceback : ...") instead
+    of a link to its docs. What torchrun reads is its ErrorHandler's format."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    where = f"in epoch {epoch}"
-    if step:
-        where = f"by step {step} of epoch {epoch + 1}"
-    clip = ""
-    if not args.clip_grad:
-        clip = ", or use --clip-grad"
-    raise UsageError(
-        f"training diverged: the loss or the weights became NaN or infinite {where}: lower --lr"
-        f" (peak {args.lr:.4g}) or lengthen --warmup ({args.warmup:g}){clip}; only finite"
-        " checkpoints were saved"
-    )
+    # without "error: ": the ranks' own lines stay the only ones that start so
+    cause = line.removeprefix("error: ")
+    message = {
+        "message": cause,
+        "extraInfo": {"py_callstack": cause, "timestamp": str(int(time.time()))},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message}, f)
+    except OSError:
+        pass  # the summary points at torchrun's docs, as without it
 
 
-def describe_value(value) -> str:
-    """A tensor's shape, a tuple's or list's length, or the type."""
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of {len(value)}"
-    return type(value).__name__
+def error_line(error: Exception) -> str | None:
+    """The one line for an error the user can act on that is not theirs to debug: a DataLoader
+    worker killed, a failed collective. None for any other (a bug, the user's or ours), which
+    keeps its traceback."""
+    if not isinstance(error, (RuntimeError, ConnectionError, TimeoutError)):
+        return None
+    # A worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset too large
+    # for /dev/shm. PyTorch's own line is the cause where it saw the signal (a forked worker).
+    text = str(error)
+    if text.startswith("DataLoader worker") or "unable to write to file </torch_" in text:
+        said = error
+        if str(error.__cause__).startswith("DataLoader worker"):
+            said = error.__cause__
+        what = first_line(said).split(". ")[0].rstrip(".")
+        return (
+            f"error: {what}: lower --workers or --batch-size where memory or /dev/shm ran out"
+            " (docker run --shm-size), or see a crash with --workers 0"
+        )
+    # gloo reports a dead peer or a timeout as a plain RuntimeError (DistError is one too), raised
+    # in torch or here; any other (a stream's own ConnectionError) is a bug: keep its traceback.
+    words = r"gloo|nccl|[Cc]onnection|[Tt]imed out|[Tt]imeout|peer"
+    in_torch = raised_in(error, str(Path(torch.__file__).parent), *OURS)
+    if isinstance(error, dist.DistError) or (in_torch and re.search(words, text)):
+        said = first_line(error)
+        # a peer gone: said so, in gloo's words without its source paths and its sign-off
+        peer_gone = r"Connection (closed|reset) by peer[^.]*|Broken pipe|remote process exited"
+        gone = re.search(peer_gone, said)
+        if gone:
+            said = f"another process ended first (its own error says why): {gone[0]}"
+        return f"error: distributed communication failed: {said}"
+    return None
 
 
-# ---- models trained together (a GAN's), each in its own DDP ----
+# The files of the standard library and installed packages, torch's wherever it is installed.
+LIBRARIES = tuple(
+    {
+        *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+        str(Path(torch.__file__).parents[1]),
+    }
+)
 
 
-class TrainedTogether(nn.ModuleDict):
-    """Models trained together, by name (a GAN's generator and discriminator), as build_model
-    returns them: each in its own DDP, with its own optimizer and schedule, run.model["generator"];
-    its forward (a subclass's) is what validation and the start-up check call."""
+# This file and the extras beside it: ours, not the user's (the scripts are the user's to edit).
+OURS = (
+    os.path.abspath(__file__),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "extras", ""),
+)
 
 
-class Wrapped(nn.ModuleDict):
-    """Models trained together (TrainedTogether), each in its own wrapper, wrap(part, **options)
-    (its own DDP): run.model["generator"]. Its module, which unwrap() gives, is the ModuleDict as
-    built: what validation calls, what the checkpoints save."""
-
-    def __init__(self, models: nn.ModuleDict, wrap: Callable[..., nn.Module], **options):
-        super().__init__({name: wrap(part, **options) for name, part in models.items()})
-        self.__dict__["module"] = models  # not a submodule: its weights are the parts' own
-
-    def register_comm_hook(self, state, hook: Callable) -> None:
-        for part in self.values():
-            part.register_comm_hook(state, hook)
-
-    def train(self, mode: bool = True) -> Wrapped:
-        self.module.train(mode)  # the ModuleDict as built too, whose forward validation calls
-        return super().train(mode)
-
-
-def each(model: nn.Module, wrap: Callable[..., nn.Module], **options) -> nn.Module:
-    """wrap(model, **options); models trained together (Wrapped): each part so, in its place."""
-    if not isinstance(model, Wrapped):
-        return wrap(model, **options)
-    for name, part in list(model.items()):
-        model[name] = wrap(part, **options)
-    return model
+def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code or the script (one of ours if none): not a
+    library's."""
+    not_libraries = [f for f in frames if not f.filename.startswith((*LIBRARIES, "<"))]
+    for frame in reversed(not_libraries):
+        if not frame.filename.startswith(OURS):
+            return frame
+    if not_libraries:
+        return not_libraries[-1]
+    return None

@@ -35,6 +35,7 @@ from processes import (
     wait_for,
     warm_starts,
 )
+from test_records import assert_curves_equal_the_records
 from projects import copy_with_your_functions
 from extras import checkpoints
 
@@ -92,6 +93,9 @@ def test_sigterm_mid_epoch_saves_and_the_same_command_continues_exactly(tmp_path
     assert_same_records(
         steps(out), steps(long_straight), tolerance=1e-6
     )  # none twice, none missing
+    # the run's picture holds the whole run, each record once, as the straight run's does
+    assert_curves_equal_the_records(out)
+    assert len(steps(out)) == len(steps(long_straight))
 
 
 @pytest.mark.real_launch  # the launch itself

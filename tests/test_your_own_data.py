@@ -633,7 +633,7 @@ SCRIPT_LINES = {
     "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
     "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3,
     "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
@@ -647,8 +647,9 @@ SCRIPT_LINES = {
 # --workers' (workers, 6), your metrics' (scores, 6), --phases' and --profile's (profiles, 3),
 # MFU's on a GPU (peaks, 3); mp.spawn's 2 fewer (its diff from distributed.py at 100 lines), FSDP's 5.
 # The issue on a newcomer's terminal added the live line's two blocks (5, its import and sys's: 7;
-# mp.spawn imported sys already), and the run's picture's block (curves.svg: 3), in every script but
-# FSDP's, at its bound of 400 statements.
+# mp.spawn imported sys already), and the run's picture's block (curves.svg: 3), in every script; FSDP's,
+# at its bound of 400 statements, made room (3 in all): its gloo check moved into extras/checks.py, its
+# checkpoint folder named where it is used, its latest checkpoint gathered with utils.all_gather_objects.
 
 
 def statements(path: Path) -> int:
@@ -680,14 +681,15 @@ EXTRAS_AT_THE_TOP = {
 # issue on the minimal copy bounds it by 2,989, its figure before the core was one file; the issue on a newcomer's
 # terminal lets the live line add its own (extras/live.py 108, the watchdog's and the records' notes of it 4,
 # its blocks in distributed.py 5, the core's --no-live-line with a check merged -1: 116 in all) and the run's
-# picture (extras/curves.py 52, its block 2), and each rank's phases in it (26); FSDP's gloo check moved into
-# extras/checks.py (5) to make room in distributed_fsdp.py for its live line and picture.
-COPY_STATEMENTS = 2982 + 116 + 54 + 26 + 5
+# picture (extras/curves.py 52, its block 2), each rank's phases in it and the user's first metric where no
+# accuracy is recorded (27); FSDP's gloo check moved into extras/checks.py (5) to make room in distributed_fsdp.py
+# for its live line and picture.
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds
-# AMP's, mp.spawn's and accumulation's by 100 each; accumulation's (its micro-batch loop and GradCache's step) is a
-# ratchet still over it.
+# AMP's, mp.spawn's and accumulation's by 100 each; accumulation's (its micro-batch loop, a (sum, count) loss
+# divided once, and GradCache's step) is a ratchet still over it.
 DIFF_LINES = {"distributed_amp.py": 100, "distributed_mp.py": 100, "distributed_grad_accum.py": 321}
 
 
