@@ -423,7 +423,8 @@ def main(teardown: ExitStack) -> None:
         f"peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 
-    # fixed input size: cuDNN times and picks its fastest kernels
+    # cuDNN times its kernels once an input shape and keeps the fastest (inputs of many shapes:
+    # a timing at each new one; False leaves it out)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # the same initial weights as the DDP scripts
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))

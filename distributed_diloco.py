@@ -654,7 +654,8 @@ def main(teardown: ExitStack) -> None:
         f" SGD lr {args.outer_lr:g}, momentum {args.outer_momentum:g}"
     )
 
-    # fixed input size: cuDNN times and picks its fastest kernels
+    # cuDNN times its kernels once an input shape and keeps the fastest (inputs of many shapes:
+    # a timing at each new one; False leaves it out)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))

@@ -857,7 +857,8 @@ def main(teardown: ExitStack) -> None:
         )
     )
 
-    # fixed input size: cuDNN times and picks its fastest kernels
+    # cuDNN times its kernels once an input shape and keeps the fastest (inputs of many shapes:
+    # a timing at each new one; False leaves it out)
     torch.backends.cudnn.benchmark = True
     # rank 0's initial weights, and the same random streams on every rank
     torch.manual_seed(args.seed)

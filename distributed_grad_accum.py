@@ -687,7 +687,8 @@ def main(teardown: ExitStack) -> None:
         f"{args.optimizer} peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 
-    # fixed input size: cuDNN times and picks its fastest kernels
+    # cuDNN times its kernels once an input shape and keeps the fastest (inputs of many shapes:
+    # a timing at each new one; False leaves it out)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # every rank's random streams alike (DDP sends rank 0's weights)
     train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
