@@ -396,7 +396,7 @@ def test_a_tiny_run_beside_a_busy_process_names_no_slow_rank(tmp_path):
     machine doing other work), a scheduler's hiccup (once 3.0 ms of backward against a median of 0.3 ms) is no slow
     rank. Three runs; no record of 16 steps, epoch's line or record names one. (A process that keeps a core busy for
     the whole run, on 2 cores, halves the speed of the rank whose core it shares for the run's 70 ms of steps: that
-    rank is slower, and was named, e.g. 8.1 ms of backward a step against 2.3, in 3 of 8 tries here.)"""
+    rank is slower, and was named, e.g. 8.1 ms of backward a step against 2.3, in 4 of 9 tries here.)"""
     bursts = "import time\nend = time.time() + 120\nwhile time.time() < end:\n    t = time.time() + 0.008\n    while time.time() < t:\n        pass\n    time.sleep(0.012)"
     busy = subprocess.Popen([PYTHON, "-c", bursts], start_new_session=True)
     try:
