@@ -68,7 +68,8 @@ def build(args, device: torch.device) -> torch.nn.Module:
 
 def main() -> None:
     args = parse_args()
-    assert torch.cuda.is_available(), "no GPU visible"
+    if not torch.cuda.is_available():
+        sys.exit("error: profile_step.py times CUDA events: it needs a GPU, and none is visible")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     torch.backends.cudnn.benchmark = True
