@@ -27,6 +27,8 @@ from processes import (
     max_weight_difference,
     metrics,
     run,
+    run_parallel,
+    steps,
     weights,
 )
 from projects import (
@@ -704,6 +706,64 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
         )
         changed[script] = sum(line[:1] in "<>" for line in result.stdout.splitlines() if line)
     assert all(changed[script] <= bound for script, bound in DIFF_LINES.items()), changed
+
+
+# The smallest copy that runs a user's project: distributed.py, the core and the extras its top imports, and
+# curves.py's block deleted with the file (the live line's, a terminal's alone, left as it is)
+SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
+
+
+def delete_block(script: Path, extra: str) -> None:
+    """The if-block of script that imports extra, deleted with the comment lines above it, as a user deletes it."""
+    lines = script.read_text().splitlines(keepends=True)
+    tree = ast.parse("".join(lines))
+    block = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and any(
+            isinstance(inner, ast.ImportFrom)
+            and inner.module == "extras"
+            and [a.name for a in inner.names] == [extra]
+            for inner in node.body
+        )
+    )
+    first = block.lineno - 1
+    while lines[first - 1].strip().startswith("#"):
+        first -= 1
+    script.write_text("".join(lines[:first] + lines[block.end_lineno :]))
+
+
+def test_the_smallest_copy_trains_what_the_whole_copy_does(tmp_path):
+    """A user deletes an extra by deleting its file and its block: distributed.py, utils.py and the six extras its
+    top imports, curves.py deleted with its block and every other extra with its file alone (their blocks are not
+    run by these flags), train the user's own classification on 2 processes to the weights and records of the whole
+    copy, bit for bit; the smallest copy writes no curves.svg."""
+    whole = copy_with_your_functions("distributed.py", tmp_path / "whole", YOUR_CLASSIFICATION)
+    smallest = copy_with_your_functions(
+        "distributed.py", tmp_path / "smallest", YOUR_CLASSIFICATION
+    )
+    for path in (smallest.parent / "extras").glob("*.py"):
+        if path.stem not in SMALLEST_COPY:
+            path.unlink()
+    delete_block(smallest, "curves")
+    assert "curves" not in smallest.read_text()
+    kept = sorted(path.stem for path in (smallest.parent / "extras").glob("*.py"))
+    assert kept == sorted(SMALLEST_COPY), kept
+    run_parallel(
+        [
+            (launch(copy, 2, *COMMON, "--output-dir", tmp_path / f"{copy.parent.name}-out"), {})
+            for copy in (whole, smallest)
+        ]
+    )
+    out, reference = tmp_path / "smallest-out", tmp_path / "whole-out"
+    assert max_weight_difference(out, reference) == 0
+    trained = ("global_step", "train_loss", "train_acc", "lr", "val_loss", "val_acc", "val_images")
+    assert [[r.get(k) for k in trained] for r in steps(out)] == [
+        [r.get(k) for k in trained] for r in steps(reference)
+    ]
+    assert metrics(out)[-1]["val_images"] == 203 and metrics(out)[-1]["val_acc"] > 0.9
+    assert (reference / "curves.svg").exists() and not (out / "curves.svg").exists()
 
 
 def test_the_core_and_its_extras_wired_in_plain_sight():
