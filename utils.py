@@ -1105,9 +1105,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--keep-best-mode needs --keep-best NAME, the validation figure it ranks")
     # --keep-best: lower is better for a loss (timm's rule), higher for the rest
     if args.keep_best_mode is None and args.keep_best is not None:
-        args.keep_best_mode = "max"
-        if "loss" in args.keep_best:
-            args.keep_best_mode = "min"
+        args.keep_best_mode = "min" if "loss" in args.keep_best else "max"
     # Optional packages are checked before any data or model is built.
     # torch.utils.tensorboard imports tensorboard.
     for flag, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
@@ -1128,9 +1126,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     # Workers: the cores each GPU can spare, one kept for the training loop itself.
     if args.workers is None:
         gpus = torch.cuda.device_count()
-        args.workers = 0
-        if gpus:
-            args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2))
+        args.workers = min(8, max(0, (os.cpu_count() or 1) // gpus - 2)) if gpus else 0
     return args
 
 
@@ -1300,8 +1296,15 @@ def record_for_torchrun(line: str) -> None:
 
 def error_line(error: Exception) -> str | None:
     """The one line for an error the user can act on that is not theirs to debug: a DataLoader
-    worker killed, a failed collective. None for any other (a bug, the user's or ours), which
-    keeps its traceback."""
+    worker killed, a failed collective, an extra deleted from the copy. None for any other (a bug,
+    the user's or ours), which keeps its traceback."""
+    # An extra deleted from this copy while a flag still enters the block that imports it.
+    missing = re.match(r"cannot import name '(\w+)' from 'extras'", str(error))
+    if isinstance(error, ImportError) and missing:
+        return (
+            f"error: extras/{missing[1]}.py is not in this copy{called_from(error)}: copy it from"
+            " the repository, or leave out its flag (or its block)"
+        )
     if not isinstance(error, (RuntimeError, ConnectionError, TimeoutError)):
         return None
     # A worker killed (out of memory, of /dev/shm) or crashed in C code, or a dataset too large

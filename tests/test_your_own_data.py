@@ -738,7 +738,8 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(tmp_path):
     """A user deletes an extra by deleting its file and its block: distributed.py, utils.py and the six extras its
     top imports, curves.py deleted with its block and every other extra with its file alone (their blocks are not
     run by these flags), train the user's own classification on 2 processes to the weights and records of the whole
-    copy, bit for bit; the smallest copy writes no curves.svg."""
+    copy, bit for bit; the smallest copy writes no curves.svg. A flag whose extra it lacks (--workers) ends every
+    rank with one line naming the file and the script's line that imports it."""
     whole = copy_with_your_functions("distributed.py", tmp_path / "whole", YOUR_CLASSIFICATION)
     smallest = copy_with_your_functions(
         "distributed.py", tmp_path / "smallest", YOUR_CLASSIFICATION
@@ -764,6 +765,14 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(tmp_path):
     ]
     assert metrics(out)[-1]["val_images"] == 203 and metrics(out)[-1]["val_acc"] > 0.9
     assert (reference / "curves.svg").exists() and not (out / "curves.svg").exists()
+    # a flag whose extra this copy lacks: one line naming the file and the block's line
+    refused = run(
+        launch(smallest, 2, *COMMON, "--workers", "1", "--output-dir", tmp_path / "refused"),
+        check=False,
+    )
+    ends_every_rank_with(
+        refused, "error: extras/workers.py is not in this copy, at main (distributed.py:"
+    )
 
 
 def test_the_core_and_its_extras_wired_in_plain_sight():
