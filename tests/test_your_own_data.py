@@ -708,8 +708,8 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
     assert all(changed[script] <= bound for script, bound in DIFF_LINES.items()), changed
 
 
-# The smallest copy that runs a user's project: distributed.py, the core and the extras its top imports, and
-# curves.py's block deleted with the file (the live line's, a terminal's alone, left as it is)
+# The smallest copy that runs a user's project: a script, the core and the extras its top imports (these, and
+# accumulation's batches), curves.py's block deleted with the file (the live line's, a terminal's alone, left as it is)
 SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
 
 
@@ -734,26 +734,36 @@ def delete_block(script: Path, extra: str) -> None:
     script.write_text("".join(lines[:first] + lines[block.end_lineno :]))
 
 
-def test_the_smallest_copy_trains_what_the_whole_copy_does(tmp_path):
-    """A user deletes an extra by deleting its file and its block: distributed.py, utils.py and the six extras its
-    top imports, curves.py deleted with its block and every other extra with its file alone (their blocks are not
-    run by these flags), train the user's own classification on 2 processes to the weights and records of the whole
-    copy, bit for bit; the smallest copy writes no curves.svg. A flag whose extra it lacks (--workers) ends every
-    rank with one line naming the file and the script's line that imports it."""
-    whole = copy_with_your_functions("distributed.py", tmp_path / "whole", YOUR_CLASSIFICATION)
-    smallest = copy_with_your_functions(
-        "distributed.py", tmp_path / "smallest", YOUR_CLASSIFICATION
-    )
+@pytest.mark.parametrize("script", sorted([*CASES, "distributed_fsdp.py"]))
+def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
+    """A user deletes an extra by deleting its file and its block: a script, utils.py and the extras its top imports,
+    curves.py deleted with its block and every other extra with its file alone (their blocks are not run by these
+    flags), train the user's own classification on 2 processes (dataparallel.py: 1) to the weights and records of
+    the whole copy, bit for bit; the smallest copy writes no curves.svg. A flag whose extra it lacks (--workers)
+    ends every rank with one line naming the file and the script's line that imports it."""
+    whole = copy_with_your_functions(script, tmp_path / "whole", YOUR_CLASSIFICATION)
+    smallest = copy_with_your_functions(script, tmp_path / "smallest", YOUR_CLASSIFICATION)
+    top = {
+        alias.name
+        for node in ast.parse(smallest.read_text()).body
+        if isinstance(node, ast.ImportFrom) and node.module == "extras"
+        for alias in node.names
+    }
+    assert top <= SMALLEST_COPY | {"batches"}, top
     for path in (smallest.parent / "extras").glob("*.py"):
-        if path.stem not in SMALLEST_COPY:
+        if path.stem not in top | {"__init__"}:
             path.unlink()
     delete_block(smallest, "curves")
     assert "curves" not in smallest.read_text()
-    kept = sorted(path.stem for path in (smallest.parent / "extras").glob("*.py"))
-    assert kept == sorted(SMALLEST_COPY), kept
+    processes = 1 if script == "dataparallel.py" else 2
     run_parallel(
         [
-            (launch(copy, 2, *COMMON, "--output-dir", tmp_path / f"{copy.parent.name}-out"), {})
+            (
+                launch(
+                    copy, processes, *COMMON, "--output-dir", tmp_path / f"{copy.parent.name}-out"
+                ),
+                {},
+            )
             for copy in (whole, smallest)
         ]
     )
@@ -765,14 +775,15 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(tmp_path):
     ]
     assert metrics(out)[-1]["val_images"] == 203 and metrics(out)[-1]["val_acc"] > 0.9
     assert (reference / "curves.svg").exists() and not (out / "curves.svg").exists()
-    # a flag whose extra this copy lacks: one line naming the file and the block's line
-    refused = run(
-        launch(smallest, 2, *COMMON, "--workers", "1", "--output-dir", tmp_path / "refused"),
-        check=False,
-    )
-    ends_every_rank_with(
-        refused, "error: extras/workers.py is not in this copy, at main (distributed.py:"
-    )
+    if script == "distributed.py":
+        # a flag whose extra this copy lacks: one line naming the file and the block's line
+        refused = run(
+            launch(smallest, 2, *COMMON, "--workers", "1", "--output-dir", tmp_path / "refused"),
+            check=False,
+        )
+        ends_every_rank_with(
+            refused, "error: extras/workers.py is not in this copy, at main (distributed.py:"
+        )
 
 
 def test_the_core_and_its_extras_wired_in_plain_sight():
