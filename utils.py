@@ -63,7 +63,7 @@ if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):
     )
 
 
-# ---- the ranks: the process group, each rank's part, collectives ----
+# ---- the ranks: the process group, which rank prints, collectives ----
 
 log = logging.getLogger("train")
 
@@ -78,23 +78,56 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def share(batch_size: int, rank: int, parts: int) -> int:
-    """Rank's part of a batch split over parts: its samples rank, rank + parts, ..., so that the
-    parts differ by at most one sample."""
-    return len(range(rank, batch_size, parts))
-
-
-def split_batch(batch_size: int, parts: int, what: str) -> str:
-    """How a batch splits over parts (described by what), as the first line says it: "2 x 32", or
-    "3 x 21-22" where it does not divide; a clear error if some part would be empty."""
-    if batch_size < parts:
+def from_environment(args) -> tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun, torch.distributed.launch (--local-rank) or
+    Slurm's srun (extras/slurm.py) sets them; (0, 0, 1) without them: a world of one. A local
+    rank without a GPU of its own is refused in one line."""
+    env = os.environ
+    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
+    if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
         raise UsageError(
-            f"--batch-size {batch_size} is smaller than {what}: give each at least one sample"
+            f"local rank {local_rank}, but this node has {torch.cuda.device_count()} GPUs: start"
+            " one process per GPU"
         )
-    low, high = batch_size // parts, share(batch_size, 0, parts)
-    if low == high:
-        return f"{parts} x {low}"
-    return f"{parts} x {low}-{high}"
+    return rank, local_rank, world_size
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Processes that share a machine's cores must not each use all of them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def init_method(args) -> str | None:
+    """Where the ranks meet: --dist-url; tcp:// from --ip and --port (loopback and 29500 unless
+    given); env:// under torchrun, torch.distributed.launch and Slurm; None for a plain `python
+    script.py`, a world of one."""
+    if args.dist_url:
+        return args.dist_url
+    if args.ip or args.port:
+        return f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
+    if "MASTER_ADDR" in os.environ:
+        return "env://"
+    return None
+
+
+@contextlib.contextmanager
+def init_errors_as_one_line(address: str | None):
+    """A failed rendezvous at address (init_method's; None: a store of this process's own) as a
+    line that says what to change."""
+    where = address or "local store"
+    try:
+        yield
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        text = first_line(e)
+        timed_out = re.search("timed out|timeout", text, re.I) is not None
+        if isinstance(e, (dist.DistStoreError, TimeoutError)) or timed_out:
+            raise UsageError(
+                f"rendezvous at {where} timed out: is the address right and every process"
+                f" started? ({text})"
+            ) from None
+        raise UsageError(f"rendezvous at {where} failed: {text}") from None
 
 
 def rendezvous_store(
@@ -162,58 +195,6 @@ def stderr_set_aside():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def from_environment(args) -> tuple[int, int, int]:
-    """(rank, local rank, world size) as torchrun, torch.distributed.launch (--local-rank) or
-    Slurm's srun (extras/slurm.py) sets them; (0, 0, 1) without them: a world of one. A local
-    rank without a GPU of its own is refused in one line."""
-    env = os.environ
-    rank, world_size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", args.local_rank))
-    if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
-        raise UsageError(
-            f"local rank {local_rank}, but this node has {torch.cuda.device_count()} GPUs: start"
-            " one process per GPU"
-        )
-    return rank, local_rank, world_size
-
-
-def init_method(args) -> str | None:
-    """Where the ranks meet: --dist-url; tcp:// from --ip and --port (loopback and 29500 unless
-    given); env:// under torchrun, torch.distributed.launch and Slurm; None for a plain `python
-    script.py`, a world of one."""
-    if args.dist_url:
-        return args.dist_url
-    if args.ip or args.port:
-        return f"tcp://{args.ip or '127.0.0.1'}:{args.port or 29500}"
-    if "MASTER_ADDR" in os.environ:
-        return "env://"
-    return None
-
-
-@contextlib.contextmanager
-def init_errors_as_one_line(address: str | None):
-    """A failed rendezvous at address (init_method's; None: a store of this process's own) as a
-    line that says what to change."""
-    where = address or "local store"
-    try:
-        yield
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        text = first_line(e)
-        timed_out = re.search("timed out|timeout", text, re.I) is not None
-        if isinstance(e, (dist.DistStoreError, TimeoutError)) or timed_out:
-            raise UsageError(
-                f"rendezvous at {where} timed out: is the address right and every process"
-                f" started? ({text})"
-            ) from None
-        raise UsageError(f"rendezvous at {where} failed: {text}") from None
-
-
-def set_cpu_threads(local_world_size: int) -> None:
-    """Processes that share a machine's cores must not each use all of them."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
 def no_buffer_sync_per_forward() -> dict[str, bool]:
@@ -308,6 +289,25 @@ def errors_shared_by_all_ranks():
 # ---- any batch of any task: counted, on the device, forwarded, weighted; each rank's part ----
 
 
+def share(batch_size: int, rank: int, parts: int) -> int:
+    """Rank's part of a batch split over parts: its samples rank, rank + parts, ..., so that the
+    parts differ by at most one sample."""
+    return len(range(rank, batch_size, parts))
+
+
+def split_batch(batch_size: int, parts: int, what: str) -> str:
+    """How a batch splits over parts (described by what), as the first line says it: "2 x 32", or
+    "3 x 21-22" where it does not divide; a clear error if some part would be empty."""
+    if batch_size < parts:
+        raise UsageError(
+            f"--batch-size {batch_size} is smaller than {what}: give each at least one sample"
+        )
+    low, high = batch_size // parts, share(batch_size, 0, parts)
+    if low == high:
+        return f"{parts} x {low}"
+    return f"{parts} x {low}-{high}"
+
+
 class Counted:
     """Counted(collate): a collate_fn giving (samples, batch), any batch counted as its samples
     (pickled to the workers with the collate it holds). What a library refuses in collate
@@ -332,11 +332,11 @@ def forward(model: nn.Module, inputs):
 
 
 def loss_for_backward(loss, samples: int, batch_size: int):
-    """compute_loss's mean weighted by this rank's samples of the step's batch_size (x world size:
-    DDP and FSDP average the ranks' gradients), so that ranks whose parts differ by a sample give
-    the gradient of the whole batch's mean; as it is where the parts are equal. Its (sum, count)
-    as sum x world size / all ranks' count (one small all-reduce, every rank), whatever each rank's
-    count."""
+    """The loss whose backward gives this rank's share of the whole batch's gradient. DDP and FSDP
+    average the W ranks' gradients, so a rank's mean loss counts as if it held batch_size / W
+    samples; where it holds `samples`, it is weighted by samples x W / batch_size (1 where the
+    ranks' parts are equal: the loss as it is). A (sum, count) loss is sum x W / all ranks' count
+    (one small all-reduce, every rank): the exact mean over every item of the step."""
     if isinstance(loss, torch.Tensor):
         weight = samples * world_size() / batch_size
         if weight == 1:
@@ -1303,7 +1303,7 @@ def error_line(error: Exception) -> str | None:
     if isinstance(error, ImportError) and missing:
         return (
             f"error: extras/{missing[1]}.py is not in this copy{called_from(error)}: copy it from"
-            " the repository, or leave out its flag (or its block)"
+            " the repository, or delete the block that imports it (or leave out its flag)"
         )
     if not isinstance(error, (RuntimeError, ConnectionError, TimeoutError)):
         return None

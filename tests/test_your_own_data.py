@@ -708,53 +708,85 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
     assert all(changed[script] <= bound for script, bound in DIFF_LINES.items()), changed
 
 
-# The smallest copy that runs a user's project: a script, the core and the extras its top imports (these, and
-# accumulation's batches), curves.py's block deleted with the file (the live line's, a terminal's alone, left as it is)
+# The smallest copy that trains a user's project: a script, the core and the extras its top imports (these, and
+# accumulation's batches); the blocks that the machine enters without a flag deleted with their extras' files:
+# the run's picture (always), the live line (a terminal), MFU's peaks and DataLoader workers (a GPU), the
+# torchrun agent's store (torchrun). Every other extra's block is entered by a flag or a plug point's return.
 SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
+BLOCKS_DELETED = ("curves", "live", "peaks", "workers", "elastic")
 
 
-def delete_block(script: Path, extra: str) -> None:
-    """The if-block of script that imports extra, deleted with the comment lines above it, as a user deletes it."""
-    lines = script.read_text().splitlines(keepends=True)
-    tree = ast.parse("".join(lines))
-    block = next(
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If)
-        and any(
-            isinstance(inner, ast.ImportFrom)
-            and inner.module == "extras"
-            and [a.name for a in inner.names] == [extra]
-            for inner in node.body
+def delete_blocks(script: Path, extra: str) -> None:
+    """Each if-block of script whose body imports extra, deleted with the comment lines above it, as a user deletes
+    it (an else that imports it, a path the block's if does not take, stays)."""
+    while True:
+        lines = script.read_text().splitlines(keepends=True)
+        block = next(
+            (
+                node
+                for node in ast.walk(ast.parse("".join(lines)))
+                if isinstance(node, ast.If)
+                and any(
+                    isinstance(inner, ast.ImportFrom)
+                    and inner.module == "extras"
+                    and [a.name for a in inner.names] == [extra]
+                    for inner in node.body
+                )
+            ),
+            None,
         )
-    )
-    first = block.lineno - 1
-    while lines[first - 1].strip().startswith("#"):
-        first -= 1
-    script.write_text("".join(lines[:first] + lines[block.end_lineno :]))
+        if block is None:
+            return
+        first = block.lineno - 1
+        while lines[first - 1].strip().startswith("#"):
+            first -= 1
+        script.write_text("".join(lines[:first] + lines[block.end_lineno :]))
 
 
-@pytest.mark.parametrize("script", sorted([*CASES, "distributed_fsdp.py"]))
-def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
-    """A user deletes an extra by deleting its file and its block: a script, utils.py and the extras its top imports,
-    curves.py deleted with its block and every other extra with its file alone (their blocks are not run by these
-    flags), train the user's own classification on 2 processes (dataparallel.py: 1) to the weights and records of
-    the whole copy, bit for bit; the smallest copy writes no curves.svg. A flag whose extra it lacks (--workers)
-    ends every rank with one line naming the file and the script's line that imports it."""
-    whole = copy_with_your_functions(script, tmp_path / "whole", YOUR_CLASSIFICATION)
-    smallest = copy_with_your_functions(script, tmp_path / "smallest", YOUR_CLASSIFICATION)
+def smallest_copy(script: str, directory: Path, yours: str) -> Path:
+    """script copied as the smallest copy of it that trains yours: BLOCKS_DELETED's blocks deleted, and every extra
+    its top does not import."""
+    copy = copy_with_your_functions(script, directory, yours)
+    for extra in BLOCKS_DELETED:
+        delete_blocks(copy, extra)
     top = {
         alias.name
-        for node in ast.parse(smallest.read_text()).body
+        for node in ast.parse(copy.read_text()).body
         if isinstance(node, ast.ImportFrom) and node.module == "extras"
         for alias in node.names
     }
     assert top <= SMALLEST_COPY | {"batches"}, top
-    for path in (smallest.parent / "extras").glob("*.py"):
+    for path in (directory / "extras").glob("*.py"):
         if path.stem not in top | {"__init__"}:
             path.unlink()
-    delete_block(smallest, "curves")
-    assert "curves" not in smallest.read_text()
+    return copy
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        # a real torchrun: its agent's store, which a script's block takes a fresh part of
+        pytest.param("distributed.py", marks=pytest.mark.real_launch),
+        *sorted({*CASES, "distributed_fsdp.py"} - {"distributed.py"}),
+    ],
+)
+def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
+    """A user deletes an extra by deleting its file and its blocks: a script, utils.py and the extras its top
+    imports, with the blocks the machine enters without a flag deleted (BLOCKS_DELETED) and every other extra's file
+    (their blocks not entered by these flags), train the user's own classification on 2 processes (dataparallel.py:
+    1) to the weights of the whole copy bit for bit, and to its records' losses, accuracies, learning rates and
+    validation samples; it writes no curves.svg. distributed.py's, launched by a real torchrun, holds the statements
+    the README says; a flag whose extra it lacks (--phases) ends every rank with one line naming the file and the
+    script's line that imports it."""
+    whole = copy_with_your_functions(script, tmp_path / "whole", YOUR_CLASSIFICATION)
+    smallest = smallest_copy(script, tmp_path / "smallest", YOUR_CLASSIFICATION)
+    imported = {
+        alias.name
+        for node in ast.walk(ast.parse(smallest.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "extras"
+        for alias in node.names
+    }
+    assert not imported & {"curves", "live", "peaks", "workers"}, imported
     processes = 1 if script == "dataparallel.py" else 2
     run_parallel(
         [
@@ -776,13 +808,19 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
     assert metrics(out)[-1]["val_images"] == 203 and metrics(out)[-1]["val_acc"] > 0.9
     assert (reference / "curves.svg").exists() and not (out / "curves.svg").exists()
     if script == "distributed.py":
+        counted = smallest_copy(script, tmp_path / "counted", None)  # its own plug points
+        copied = [counted, ROOT / "utils.py", *(counted.parent / "extras").glob("*.py")]
+        said = re.search(
+            r"train your project: ([\d,]+) statements", (ROOT / "README.md").read_text()
+        )
+        assert sum(statements(path) for path in copied) == int(said[1].replace(",", "")), said[0]
         # a flag whose extra this copy lacks: one line naming the file and the block's line
         refused = run(
-            launch(smallest, 2, *COMMON, "--workers", "1", "--output-dir", tmp_path / "refused"),
+            launch(smallest, 2, *COMMON, "--phases", "--output-dir", tmp_path / "refused"),
             check=False,
         )
         ends_every_rank_with(
-            refused, "error: extras/workers.py is not in this copy, at main (distributed.py:"
+            refused, "error: extras/profiles.py is not in this copy, at main (distributed.py:"
         )
 
 
