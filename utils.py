@@ -1298,7 +1298,8 @@ def error_line(error: Exception) -> str | None:
     """The one line for an error the user can act on that is not theirs to debug: a DataLoader
     worker killed, a failed collective, an extra deleted from the copy. None for any other (a bug,
     the user's or ours), which keeps its traceback."""
-    # An extra deleted from this copy while a flag still enters the block that imports it.
+    # An extra deleted from this copy while a flag, or the machine (a GPU, a terminal, torchrun),
+    # still enters a block that imports it.
     missing = re.match(r"cannot import name '(\w+)' from 'extras'", str(error))
     if isinstance(error, ImportError) and missing:
         return (
