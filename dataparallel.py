@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -25,7 +25,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    optimizers,
     seeds,
     stalls,
 )
@@ -235,7 +234,7 @@ class Training:
     frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    ema: object | None  # --ema: the weights' moving average (extras/averages.py), or None
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
@@ -282,7 +281,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
-        run.ema.update()  # --ema: the average moves toward the new weights
+        if run.ema is not None:  # --ema: the average moves toward the new weights
+            run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned
         meter.add_step(result, samples, targets)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
@@ -314,7 +314,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
 def validate(run: Training, epoch: int, step: int) -> dict:
     """The validation at this step (--ema: the average's too), recorded; --keep-best: its weights
     in model_best.pt where they are the best so far. Every rank calls it."""
-    validation = run.ema.evaluated(evaluate, run)
+    validation = evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)
     if run.recorder.new_best(validation):
         save_best(run)
     run.recorder.add(epoch, step, validation)
@@ -359,7 +359,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
             "model": utils.unwrap(model).state_dict(),
             "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(),
-            "ema": run.ema.state_dict(),
+            "ema": None if run.ema is None else run.ema.state_dict(),
             "records": progress,
             "epoch": epoch,
             "step": step,
@@ -369,7 +369,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
         }
         output_dir = Path(args.output_dir)
         run.saves.save(checkpoint, output_dir / "checkpoint.pt", run.watchdog)
-        if args.ema:  # and the average alone, with plain keys
+        if run.ema is not None:  # and the average alone, with plain keys
             with run.ema.swapped():
                 state = utils.unwrap(model).state_dict()
                 run.saves.save(state, output_dir / "model_ema.pt", run.watchdog)
@@ -378,7 +378,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), plain keys."""
     with utils.errors_shared_by_all_ranks():
-        with run.ema.swapped_for(run.args.keep_best):
+        with run.ema.swapped() if run.args.keep_best.endswith("_ema") else nullcontext():
             state = utils.unwrap(run.model).state_dict()
             path = Path(run.args.output_dir) / "model_best.pt"
             run.saves.save(state, path, run.watchdog)
@@ -451,8 +451,8 @@ def main(teardown: ExitStack) -> None:
         model = torch.compile(model, mode=args.compile_mode)
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus)  # no wrapper on the CPU: nothing to split
-    optimizer = optimizers.build_optimizer(model, args)  # --optimizer: SGD or AdamW
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = utils.build_optimizer(model, args)  # --optimizer: SGD or AdamW
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s; on GPUs (or with --peak-tflops) its mfu, over the dense peak of
     # its GPUs for this precision (extras/peaks.py)
@@ -464,7 +464,11 @@ def main(teardown: ExitStack) -> None:
             device, torch.float32, args.peak_tflops, max(len(gpus), 1), convolutions
         )
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = optimizers.EMA(model, args.ema)
+    ema = None
+    if args.ema is not None:
+        from extras import averages
+
+        ema = averages.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)

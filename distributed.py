@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +32,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    optimizers,
     seeds,
     stalls,
 )
@@ -309,7 +308,7 @@ class Training:
     frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    ema: object | None  # --ema: the weights' moving average (extras/averages.py), or None
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
@@ -356,7 +355,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
-        run.ema.update()  # --ema: the average moves toward the new weights
+        if run.ema is not None:  # --ema: the average moves toward the new weights
+            run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned
         meter.add_step(result, samples, targets)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
@@ -388,7 +388,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
 def validate(run: Training, epoch: int, step: int) -> dict:
     """The validation at this step (--ema: the average's too), recorded; --keep-best: its weights
     in model_best.pt where they are the best so far. Every rank calls it."""
-    validation = run.ema.evaluated(evaluate, run)
+    validation = evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)
     if run.recorder.new_best(validation):
         save_best(run)
     run.recorder.add(epoch, step, validation)
@@ -440,7 +440,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
-                "ema": run.ema.state_dict(),
+                "ema": None if run.ema is None else run.ema.state_dict(),
                 "records": progress,
                 "epoch": epoch,
                 "step": step,
@@ -450,7 +450,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "world_size": dist.get_world_size(),  # what continues says so
             }
             run.saves.save(checkpoint, Path(run.args.output_dir) / "checkpoint.pt", run.watchdog)
-            if run.args.ema:  # and the average alone, with plain keys
+            if run.ema is not None:  # and the average alone, with plain keys
                 with run.ema.swapped():
                     state = utils.unwrap(run.model).state_dict()
                     run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
@@ -461,7 +461,7 @@ def save_best(run: Training) -> None:
     Every rank calls it; rank 0 writes, while training goes on."""
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
-            with run.ema.swapped_for(run.args.keep_best):
+            with run.ema.swapped() if run.args.keep_best.endswith("_ema") else nullcontext():
                 state = utils.unwrap(run.model).state_dict()
                 run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
@@ -541,19 +541,24 @@ def main(teardown: ExitStack) -> None:
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **utils.no_buffer_sync_per_forward(),
     )
-    if isinstance(model, utils.TrainedTogether):  # a GAN's models: each its own DDP
-        model = utils.Wrapped(model, DDP, **options)
+    # models trained together (a GAN's, extras/together.py): each its own DDP, optimizer, schedule
+    if getattr(model, "trained_together", False):
+        from extras import together
+
+        model = together.Wrapped(model, DDP, **options)
     else:
         model = DDP(model, **options)
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
     if args.comm_hook:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if args.compile:
-        # DDP's buckets split the compiled graph (models trained together: each one's)
-        model = utils.each(model, torch.compile, mode=args.compile_mode)
+    # --compile: DDP's buckets split the compiled graph (models trained together: each one's)
+    if args.compile and hasattr(model, "compiled"):
+        model = model.compiled(mode=args.compile_mode)
+    elif args.compile:
+        model = torch.compile(model, mode=args.compile_mode)
     # --optimizer: SGD or AdamW (models trained together: one each, run.optimizer["generator"])
-    optimizer = optimizers.build_optimizer(model, args)
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = utils.build_optimizer(model, args)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
     # its GPUs for this precision (extras/peaks.py)
@@ -565,7 +570,11 @@ def main(teardown: ExitStack) -> None:
             device, torch.float32, args.peak_tflops, world_size, convolutions
         )
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = optimizers.EMA(model, args.ema)
+    ema = None
+    if args.ema is not None:
+        from extras import averages
+
+        ema = averages.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,7 +35,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    optimizers,
     seeds,
     stalls,
 )
@@ -434,7 +433,7 @@ class Training:
     frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    ema: object | None  # --ema: the weights' moving average (extras/averages.py), or None
     diloco: DiLoCo  # the outer step every --sync-every steps
     train_loader: DataLoader
     val_loader: DataLoader
@@ -490,7 +489,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         ):
             recorder.phases.enter("outer")  # timed as a phase of its own
             run.diloco.step(global_step)
-            run.ema.update()  # --ema: the average moves toward the synchronised weights
+            if run.ema is not None:  # --ema: the average moves toward the synchronised weights
+                run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned
         meter.add_step(result, samples, targets)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
@@ -526,7 +526,10 @@ def validate(run: Training, epoch: int, step: int) -> dict:
     step they are of, recorded; --keep-best: those weights in model_best.pt where they are the best
     so far. Every rank calls it."""
     with run.diloco.synchronised():
-        validation = dict(**run.ema.evaluated(evaluate, run), val_weights_step=run.diloco.at)
+        validation = dict(
+            **(evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)),
+            val_weights_step=run.diloco.at,
+        )
         if run.recorder.new_best(validation):
             save_best(run)
     run.recorder.add(epoch, step, validation)
@@ -589,7 +592,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "replicas": replicas,
                 "diloco": {"world_size": world_size, "at": diloco.at, "sent": diloco.sent},
                 "scheduler": run.scheduler.state_dict(),
-                "ema": run.ema.state_dict(),
+                "ema": None if run.ema is None else run.ema.state_dict(),
                 "records": progress,
                 "epoch": epoch,
                 "step": step,
@@ -599,7 +602,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "world_size": world_size,  # what continues says so
             }
             run.saves.save(checkpoint, Path(args.output_dir) / "checkpoint.pt", run.watchdog)
-            if args.ema:  # and the average alone, with plain keys
+            if run.ema is not None:  # and the average alone, with plain keys
                 with run.ema.swapped():
                     state = utils.unwrap(model).state_dict()
                     run.saves.save(state, Path(args.output_dir) / "model_ema.pt", run.watchdog)
@@ -610,7 +613,7 @@ def save_best(run: Training) -> None:
     Every rank calls it; rank 0 writes, while training goes on."""
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
-            with run.ema.swapped_for(run.args.keep_best):
+            with run.ema.swapped() if run.args.keep_best.endswith("_ema") else nullcontext():
                 state = utils.unwrap(run.model).state_dict()
                 run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
@@ -684,8 +687,8 @@ def main(teardown: ExitStack) -> None:
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     # the inner one, on each process: SGD or AdamW
-    optimizer = optimizers.build_optimizer(model, args)
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = utils.build_optimizer(model, args)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
     # its GPUs for this precision (extras/peaks.py)
@@ -697,7 +700,11 @@ def main(teardown: ExitStack) -> None:
             device, torch.float32, args.peak_tflops, world_size, convolutions
         )
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = optimizers.EMA(model, args.ema)
+    ema = None
+    if args.ema is not None:
+        from extras import averages
+
+        ema = averages.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)

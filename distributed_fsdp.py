@@ -23,7 +23,7 @@ import functools
 import os
 import shutil
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -54,7 +54,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    optimizers,
     seeds,
     stalls,
 )
@@ -513,7 +512,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # float16: the loss scale; off otherwise
-    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    ema: object | None  # --ema: the weights' moving average (extras/averages.py), or None
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
@@ -561,7 +560,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
-        run.ema.update()  # --ema: the average of each rank's own shards moves toward them
+        if run.ema is not None:  # --ema: the average of each rank's own shards moves toward them
+            run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned
         meter.add_step(result, samples, targets)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
@@ -596,7 +596,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
 def validate(run: Training, epoch: int, step: int) -> dict:
     """The validation at this step (--ema: the average's too), recorded; --keep-best: its weights
     in model_best.pt where they are the best so far. Every rank calls it."""
-    validation = run.ema.evaluated(evaluate, run)
+    validation = evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)
     if run.recorder.new_best(validation):
         save_best(run)
     run.recorder.add(epoch, step, validation)
@@ -729,7 +729,7 @@ def training_state(run: Training) -> dict:
         "scaler": run.scaler.state_dict(),
         # all-reduce, every rank: the epoch's sums over all ranks
         "records": run.recorder.all_ranks_state_dict(),
-        "ema": run.ema.state_dict(),
+        "ema": None if run.ema is None else run.ema.state_dict(),
         "arch": run.args.arch,
         "optimizer_name": run.args.optimizer,
         "epoch": 0,
@@ -758,7 +758,7 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
         if final:
             run.saves.wait()
     # --ema: the average's twin
-    for name in ["model", "model_ema"][: 1 + bool(args.ema)] if final else []:
+    for name in ["model", "model_ema"][: 1 + (run.ema is not None)] if final else []:
         # for one process, inference or distributed.py, written while swapped in
         # (one process's gathered weights are the model's own tensors)
         with run.ema.swapped() if name == "model_ema" else contextlib.nullcontext():
@@ -787,7 +787,7 @@ def gather_weights(module: nn.Module) -> dict:
 def save_best(run: Training) -> None:
     """model_best.pt: the weights just validated (the average's for an _ema name), gathered whole
     with plain keys. Every rank calls it (the gather); rank 0 writes, while training goes on."""
-    with run.ema.swapped_for(run.args.keep_best):
+    with run.ema.swapped() if run.args.keep_best.endswith("_ema") else nullcontext():
         weights = gather_weights(utils.unwrap(run.model))
         # copied before the swap back (one process's gathered weights are the model's own)
         with utils.errors_shared_by_all_ranks():
@@ -827,7 +827,6 @@ def main(teardown: ExitStack) -> None:
     # group of their own (the CPU's): a failed write ends every rank at the next step; the run
     # ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
-    save_group = dist.new_group(backend="gloo")
     # each rank's part of every global batch: equal, or within one sample of the others'
     split = utils.split_batch(args.batch_size, world_size, f"{world_size} processes")
     batch_per_rank = utils.share(args.batch_size, rank, world_size)
@@ -899,9 +898,8 @@ def main(teardown: ExitStack) -> None:
     )
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
-    module = utils.unwrap(model)  # what checkpoints hold: without torch.compile's wrapper
-    optimizer = optimizers.build_optimizer(model, args)  # over this rank's shards only
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    optimizer = utils.build_optimizer(model, args)  # over this rank's shards only
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
     # float16: a loss scale, and a step skipped on every rank when any rank's shard overflowed
     scaler = ShardedGradScaler(
         device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
@@ -916,7 +914,11 @@ def main(teardown: ExitStack) -> None:
             device, amp_dtype or torch.float32, args.peak_tflops, world_size, convolutions
         )
     # --ema: a moving average of this rank's shards, validated and saved beside them
-    ema = optimizers.EMA(model, args.ema)
+    ema = None
+    if args.ema is not None:
+        from extras import averages
+
+        ema = averages.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)
@@ -956,21 +958,21 @@ def main(teardown: ExitStack) -> None:
         stop=stop,
         watchdog=watchdog,
         saves=saves,
-        save_group=save_group,
+        save_group=dist.new_group(backend="gloo"),  # the saves' collectives, on the CPU
         recorder=recorder,
         val_metrics=val_metrics,
     )
 
     path = latest_checkpoint(output_dir / "checkpoint", rank)
-    start_epoch, steps_done = 0, 0
+    state = training_state(run) if path else None
     if path:
-        state = training_state(run)
         with utils.errors_shared_by_all_ranks():
-            load_sharded(path, state, module, optimizer)
-        # the shards are in place; the rest, and the same command continues from the checkpoint
-        start_epoch, steps_done = checkpoints.restore(
-            state, path, args, scheduler=scheduler, scaler=scaler, records=recorder, ema=ema
-        )
+            # what checkpoints hold: the model without torch.compile's wrapper
+            load_sharded(path, state, utils.unwrap(model), optimizer)
+    # the shards are in place; the rest, and the same command continues from the checkpoint
+    start_epoch, steps_done = checkpoints.restore(
+        state, path, args, scheduler=scheduler, scaler=scaler, records=recorder, ema=ema
+    )
     recorder.start(start_epoch, steps_done)  # the records up to the checkpoint kept (rank 0)
     # --tensorboard, --wandb: rank 0 also sends the records there (a continued run: the same
     # W&B run)

@@ -34,7 +34,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    optimizers,
     seeds,
     stalls,
 )
@@ -467,7 +466,7 @@ class Training:
     frozen: dict[str, nn.Module]  # build_frozen's, e.g. run.frozen["teacher"]: not trained
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: optimizers.EMA  # --ema: the moving average of the weights (without it, nothing)
+    ema: object | None  # --ema: the weights' moving average (extras/averages.py), or None
     train_loader: DataLoader
     val_loader: DataLoader
     device: torch.device
@@ -521,7 +520,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             result = train_step_over_whole_batch(run, micro_batches)
         else:
             result = train_step(run, micro_batches)
-        run.ema.update()  # --ema: the average moves toward the new weights
+        if run.ema is not None:  # --ema: the average moves toward the new weights
+            run.ema.update()
         # the other numbers it returned (it added its micro-batches' loss and accuracy itself)
         meter.add_step(result, samples, None, recorded=True)
         # as the step began: SIGTERM or SIGUSR1 on any rank, or no next batch on one, stops all
@@ -565,7 +565,7 @@ def micro_batches_on_device(run: Training, loader: DataLoader, batch: tuple, epo
 def validate(run: Training, epoch: int, step: int) -> dict:
     """The validation at this step (--ema: the average's too), recorded; --keep-best: its weights
     in model_best.pt where they are the best so far. Every rank calls it."""
-    validation = run.ema.evaluated(evaluate, run)
+    validation = evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)
     if run.recorder.new_best(validation):
         save_best(run)
     run.recorder.add(epoch, step, validation)
@@ -617,7 +617,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "model": utils.unwrap(run.model).state_dict(),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
-                "ema": run.ema.state_dict(),
+                "ema": None if run.ema is None else run.ema.state_dict(),
                 "records": progress,
                 "epoch": epoch,
                 "step": step,
@@ -627,7 +627,7 @@ def save_checkpoint(run: Training, epoch: int, step: int) -> None:
                 "world_size": dist.get_world_size(),  # what continues says so
             }
             run.saves.save(checkpoint, Path(run.args.output_dir) / "checkpoint.pt", run.watchdog)
-            if run.args.ema:  # and the average alone, with plain keys
+            if run.ema is not None:  # and the average alone, with plain keys
                 with run.ema.swapped():
                     state = utils.unwrap(run.model).state_dict()
                     run.saves.save(state, Path(run.args.output_dir) / "model_ema.pt", run.watchdog)
@@ -638,7 +638,7 @@ def save_best(run: Training) -> None:
     Every rank calls it; rank 0 writes, while training goes on."""
     with utils.errors_shared_by_all_ranks():
         if dist.get_rank() == 0:
-            with run.ema.swapped_for(run.args.keep_best):
+            with run.ema.swapped() if run.args.keep_best.endswith("_ema") else nullcontext():
                 state = utils.unwrap(run.model).state_dict()
                 run.saves.save(state, Path(run.args.output_dir) / "model_best.pt", run.watchdog)
 
@@ -720,22 +720,23 @@ def main(teardown: ExitStack) -> None:
         model = batch_norm.convert_to_global(model)
     # gradients live in DDP's communication buckets: no copy in or out each step;
     # batch-norm statistics go out at evaluation, not before every forward
-    model = DDP(
-        model,
+    options = dict(
         device_ids=[local_rank] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
         find_unused_parameters=args.find_unused_parameters,
         # forward_sync_buffers=False (broadcast_buffers=False before PyTorch 2.14)
         **utils.no_buffer_sync_per_forward(),
     )
+    model = DDP(model, **options)
     # --comm-hook bf16: the gradients cross the network as bfloat16, half the bytes
     if args.comm_hook:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    # --compile: DDP's buckets split the compiled graph
     if args.compile:
-        # DDP's buckets split the compiled graph
         model = torch.compile(model, mode=args.compile_mode)
-    optimizer = optimizers.build_optimizer(model, args)  # --optimizer: SGD or AdamW
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
+    # --optimizer: SGD or AdamW
+    optimizer = utils.build_optimizer(model, args)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
     # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
     # its GPUs for this precision (extras/peaks.py)
@@ -747,7 +748,11 @@ def main(teardown: ExitStack) -> None:
             device, torch.float32, args.peak_tflops, world_size, convolutions
         )
     # --ema: a moving average of the weights, validated and saved beside them
-    ema = optimizers.EMA(model, args.ema)
+    ema = None
+    if args.ema is not None:
+        from extras import averages
+
+        ema = averages.EMA(model, args.ema)
     # steps.jsonl (and TensorBoard, W&B) on rank 0: the numbers of every rank, every --print-freq
     # steps
     recorder = metrics.StepRecords(output_dir, args, rank, steps_per_epoch, saves=saves)

@@ -9,8 +9,8 @@ library. Top to bottom:
   forwarded, its loss weighted so that W processes train what one does (loss_for_backward); the
   validation's shares, every sample once (ValidationShares);
 - the stop every rank agrees on (StopSignal: SIGTERM, SIGUSR1, --save-minutes);
-- every random draw from the seed and where it is drawn; files written whole; models trained
-  together (a GAN's);
+- every random draw from the seed and where it is drawn; files written whole; the optimizer and
+  its schedule (build_optimizer, warmup_cosine);
 - the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags);
 - errors: UsageError, and run_main, which ends every error of ours or a library's in one line.
 
@@ -252,7 +252,7 @@ def all_gather_objects(obj, group=None) -> list:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP, DataParallel and torch.compile wrappers (models trained
-    together: the ModuleDict as built)."""
+    together, extras/together.py: the ModuleDict as built)."""
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
     if inner is None:
         return model
@@ -739,40 +739,44 @@ def describe_value(value) -> str:
     return type(value).__name__
 
 
-# ---- models trained together (a GAN's), each in its own DDP ----
+# ---- the optimizer and its schedule ----
 
 
-class TrainedTogether(nn.ModuleDict):
-    """Models trained together, by name (a GAN's generator and discriminator), as build_model
-    returns them: each in its own DDP, with its own optimizer and schedule, run.model["generator"];
-    its forward (a subclass's) is what validation and the start-up check call."""
+def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    """--optimizer over the model's parameters, with its peak lr and weight decay (check_args fills
+    their defaults); models trained together (extras/together.py): one each,
+    run.optimizer["generator"]."""
+    if hasattr(model, "each"):
+        return model.each(build_optimizer, args)
+    # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of
+    # all the weights; not with float16 (FSDP's gradient scaler checks overflow on all ranks on the
+    # foreach path only), nor for SGD (FSDP's shards have no fused SGD; and where float16's scaler
+    # skips a step, fused SGD still moves its momentum: weights NaN on an H200, PyTorch 2.11).
+    if args.optimizer == "adamw":
+        fused = True if getattr(args, "amp_dtype", None) != "float16" else None
+        return torch.optim.AdamW(
+            model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused
+        )
+    return torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
 
 
-class Wrapped(nn.ModuleDict):
-    """Models trained together (TrainedTogether), each in its own wrapper, wrap(part, **options)
-    (its own DDP): run.model["generator"]. Its module, which unwrap() gives, is the ModuleDict as
-    built: what validation calls, what the checkpoints save."""
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float):
+    """The learning-rate schedule over `steps` optimizer steps, stepped after each: a linear rise
+    over its first `warmup` part, then a cosine decay to 0 (models trained together: one for each
+    optimizer, run.scheduler["generator"])."""
+    if hasattr(optimizer, "each"):
+        return optimizer.each(warmup_cosine, steps, warmup)
+    rise = max(1, round(warmup * steps))
 
-    def __init__(self, models: nn.ModuleDict, wrap: Callable[..., nn.Module], **options):
-        super().__init__({name: wrap(part, **options) for name, part in models.items()})
-        self.__dict__["module"] = models  # not a submodule: its weights are the parts' own
+    def factor(step: int) -> float:
+        if step < rise:
+            return (step + 1) / rise
+        decayed = (step - rise) / max(1, steps - rise)
+        return 0.5 * (1 + math.cos(math.pi * decayed))
 
-    def register_comm_hook(self, state, hook: Callable) -> None:
-        for part in self.values():
-            part.register_comm_hook(state, hook)
-
-    def train(self, mode: bool = True) -> Wrapped:
-        self.module.train(mode)  # the ModuleDict as built too, whose forward validation calls
-        return super().train(mode)
-
-
-def each(model: nn.Module, wrap: Callable[..., nn.Module], **options) -> nn.Module:
-    """wrap(model, **options); models trained together (Wrapped): each part so, in its place."""
-    if not isinstance(model, Wrapped):
-        return wrap(model, **options)
-    for name, part in list(model.items()):
-        model[name] = wrap(part, **options)
-    return model
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # ---- the flags every script shares ----

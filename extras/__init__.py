@@ -16,7 +16,8 @@ warnings filter). In the order a reader of distributed.py meets them:
 - batches: a loss over the whole global batch (whole_batch), exact on any number of processes;
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
-- optimizers: the optimizer, the warm-up and cosine schedule, the moving average of weights;
+- together: models trained together (a GAN's), each its own DDP, optimizer and schedule;
+- averages: --ema, the moving average of the weights, validated and saved beside them;
 - metrics: the sums of an epoch (Meter) and steps.jsonl's records (StepRecords), the best
   validation so far (--keep-best);
 - scores: a project's own validation metrics (build_metrics, torchmetrics') over every

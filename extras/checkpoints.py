@@ -213,9 +213,9 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def restore(state: dict | None, path: Path | str, args, **stateful) -> tuple[int, int]:
-    """Load stateful (model, optimizer, scheduler, scaler), and say so; returns the epochs done and
-    the steps done in the next, (0, 0) without a checkpoint (state None). The random streams need
-    no state: each step's come from where it is (seeds.seed_step)."""
+    """Load stateful (model, optimizer, scheduler, scaler, an ema or None), and say so; returns the
+    epochs done and the steps done in the next, (0, 0) without a checkpoint (state None). The
+    random streams need no state: each step's come from where it is (utils.seed_step)."""
     if state is None:
         return 0, 0
     written_with = (
@@ -229,7 +229,11 @@ def restore(state: dict | None, path: Path | str, args, **stateful) -> tuple[int
             raise UsageError(f"{message}: use another --output-dir")
     try:
         for name, obj in stateful.items():
-            obj.load_state_dict(state[name])
+            # None: what this run keeps none of (no --ema), nor may the checkpoint
+            if obj is None and state.get(name) is not None:
+                raise ValueError(f"it holds {name}, which this run keeps none of")
+            if obj is not None:
+                obj.load_state_dict(state[name])
     except (RuntimeError, KeyError, ValueError) as e:
         message = f"{path} does not fit this model or these flags ({first_line(e)})"
         raise UsageError(f"{message}: use another --output-dir") from None

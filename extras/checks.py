@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from utils import (
-    TrainedTogether,
     UsageError,
     batch_to_device,
     describe_value,
@@ -74,10 +73,10 @@ def dataset_length(dataset) -> int | None:
 def returned_model(model, together: bool = False) -> nn.Module:
     """build_model's module, which must be one with a parameter to train: one line, not a
     traceback at .to() or at the first backward. Models trained together (a GAN's generator and
-    discriminator: utils.TrainedTogether), each its own DDP, where the script takes them."""
+    discriminator: together.TrainedTogether), each its own DDP, where the script takes them."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"build_model must return an nn.Module, not {describe_value(model)}")
-    if isinstance(model, TrainedTogether):
+    if getattr(model, "trained_together", False):
         check_trained_together(model, together)
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(
@@ -87,13 +86,13 @@ def returned_model(model, together: bool = False) -> nn.Module:
     return model
 
 
-def check_trained_together(model: TrainedTogether, together: bool) -> None:
+def check_trained_together(model: nn.ModuleDict, together: bool) -> None:
     """Models trained together in a script that trains them (together), each with a parameter to
     train, none held by the container (it is in no DDP, no optimizer): one line, not a traceback."""
     name = type(model).__name__
     if not together:
         raise UsageError(
-            f"build_model's {name} is models trained together (utils.TrainedTogether):"
+            f"build_model's {name} is models trained together (extras/together.py):"
             " distributed.py, distributed_mp.py and distributed_amp.py train each in its own DDP;"
             " this script trains one model"
         )
@@ -169,7 +168,7 @@ def first_step_flops(
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     model.zero_grad(set_to_none=True)
     # Alike on every rank: the same model and code. (Models trained together: the step is yours.)
-    if unused and not unused_ok and not isinstance(model, TrainedTogether):
+    if unused and not unused_ok and not getattr(model, "trained_together", False):
         names = ", ".join(unused[:3])
         if len(unused) > 3:
             names += ", ..."

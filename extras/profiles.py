@@ -22,7 +22,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 from torch.profiler import profile
 
-from utils import UsageError, Wrapped, tree_flatten
+from utils import UsageError, tree_flatten
 
 log = logging.getLogger("train")
 
@@ -72,7 +72,8 @@ class StepPhases:
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The model's forward hook marks the backward's start, the optimizer's step hook its
         phase (models trained together: each one's, each optimizer's)."""
-        for part in model.values() if isinstance(model, Wrapped) else [model]:
+        # models trained together (together.Wrapped): each one's
+        for part in model.values() if hasattr(model, "each") else [model]:
             # a forward begins its phase (an accumulated step's later micro-batches, read before)
             part.register_forward_pre_hook(lambda module, inputs: self.enter(FORWARD, module))
             part.register_forward_hook(self.forward_ends)

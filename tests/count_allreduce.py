@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import distributed_grad_accum as script  # noqa: E402
 import torch  # noqa: E402
 import utils  # noqa: E402
-from extras import checkpoints, metrics, optimizers, stalls  # noqa: E402
+from extras import checkpoints, metrics, stalls  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -36,14 +36,14 @@ def main(teardown):
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
-    scheduler = optimizers.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
+    scheduler = utils.warmup_cosine(optimizer, len(loader) // args.accum_steps, args.warmup)
     run = script.Training(
         args=args,
         model=model,
         frozen={},
         optimizer=optimizer,
         scheduler=scheduler,
-        ema=optimizers.EMA(model, args.ema),
+        ema=None,
         train_loader=loader,
         val_loader=val_loader,
         device=device,

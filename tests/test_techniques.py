@@ -3,6 +3,7 @@ every script: its equalities are checked wherever the tiny job's weights are, se
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from extras import optimizers
+import utils
+from extras import averages, checkpoints
 from extras.profiles import PHASES
 from processes import (
     EVAL_EVERY,
@@ -148,14 +150,14 @@ def test_compiled_step_trains_the_same_model_with_plain_checkpoint_keys(tmp_path
 
 
 def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continues():
-    """optimizers.EMA on a model with a tied weight and batch-norm buffers, inside DataParallel: plain names, each tensor
+    """averages.EMA on a model with a tied weight and batch-norm buffers, inside DataParallel: plain names, each tensor
     once; after update n the average is lerp(average, weights, 1 - min(decay, (1 + n) / (10 + n))), its integer
     count a copy; swapped in for validation the model holds the average, and then its own weights bit for bit; its
     state continues in another run's EMA, and a run without --ema refuses it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
     model[2].weight = model[0].weight
-    ema = optimizers.EMA(nn.DataParallel(model), 0.9)
+    ema = averages.EMA(nn.DataParallel(model), 0.9)
     assert list(ema.average) == [
         "0.weight",
         "0.bias",
@@ -194,13 +196,21 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
     assert not torch.allclose(
         weights["0.weight"], expected["0.weight"]
     )  # an average, not the weights
-    other = optimizers.EMA(model, 0.9)
+    other = averages.EMA(model, 0.9)
     other.load_state_dict(ema.state_dict())
     assert other.updates == 30 and all(
         torch.equal(other.average[k], ema.average[k]) for k in ema.average
     )
+    # a checkpoint written without --ema (its "ema" None) refuses to continue with it, and one with it without it
     with pytest.raises(ValueError, match="--ema"):
-        optimizers.EMA(model, None).load_state_dict(ema.state_dict())
+        averages.EMA(model, 0.9).load_state_dict(None)
+    args = argparse.Namespace(arch="tiny", optimizer="sgd", epochs=2)
+    with pytest.raises(
+        utils.UsageError, match="does not fit .* holds ema, which this run keeps none of"
+    ):
+        checkpoints.restore(
+            {"model": {}, "epoch": 1, "ema": ema.state_dict()}, "checkpoint.pt", args, ema=None
+        )
     records = ema.evaluated(lambda: {"val_loss": float(model[0].weight.sum()), "val_images": 8})
     assert records["val_loss_ema"] == pytest.approx(float(expected["0.weight"].sum()), abs=1e-5)
     assert (

@@ -627,16 +627,16 @@ def code_lines(path: Path) -> int:
 # rendezvous, DDP's flags and the validation record in utils/ once. None may grow without a reason
 # written here.
 SCRIPT_LINES = {
-    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3,
+    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4,
     # and the three scripts that had registered batches.CountWeights: PyTorch's bf16_compress_hook
     # for --comm-hook, its import (1; utils/ 43 fewer)
-    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3,
-    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3,
-    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3,
+    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7,
+    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7,
+    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3,
-    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1,
+    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
 # the blocks that import an extra where it is used (Slurm's and torchrun's elastic store at the
@@ -652,6 +652,13 @@ SCRIPT_LINES = {
 # mp.spawn imported sys already), and the run's picture's block (curves.svg: 3), in every script; FSDP's,
 # at its bound of 400 statements, made room (3 in all): its gloo check moved into extras/checks.py, its
 # checkpoint folder named where it is used, its latest checkpoint gathered with utils.all_gather_objects.
+# Then the minimal copy's optimizer: the optimizer and its schedule in the core, and extras/optimizers.py's two
+# other parts extras of their own, each imported in its block: --ema's average (extras/averages.py; its block 4,
+# where there was 1 line, and the if before its update 1: 4 in every script) and models trained together
+# (extras/together.py; its import, and --compile's branch for them: 3 more in the three scripts that train them);
+# accumulation's DDP options named as distributed.py names them (1, its diff from distributed.py unchanged); FSDP's
+# 3 fewer elsewhere (its saves' group made where it is passed, the unwrapped model where it is loaded, the restore
+# called once with or without a checkpoint).
 
 
 def statements(path: Path) -> int:
@@ -676,7 +683,7 @@ def statements(path: Path) -> int:
 EXTRAS_IMPORTING_EXTRAS: dict[str, set[str]] = {}
 # The extras a script still imports at its top rather than in the block that uses them: a ratchet toward none.
 EXTRAS_AT_THE_TOP = {
-    *"checkpoints checks metrics optimizers seeds stalls".split(),
+    *"checkpoints checks metrics seeds stalls".split(),
     "batches",  # distributed_grad_accum.py's micro-batches
 }
 # What a user copies (distributed.py, utils.py and every extra), in statements (../shared/tools/statements): the
@@ -686,7 +693,9 @@ EXTRAS_AT_THE_TOP = {
 # picture (extras/curves.py 52, its block 2), each rank's phases in it and the user's first metric where no
 # accuracy is recorded (27); FSDP's gloo check moved into extras/checks.py (5) to make room in distributed_fsdp.py
 # for its live line and picture; the core's check_args shorter by 4 and its line for an extra the copy lacks 3.
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1
+# The minimal copy's optimizer in the core: --ema's average and models trained together extras of their own, their
+# blocks in distributed.py (5 fewer in all).
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds
@@ -952,7 +961,7 @@ def test_each_script_holds_its_recipe():
             "\n        from extras import streams\n",
             "utils.steps_per_epoch(",
             "train_loader.sampler.set_epoch(epoch)",
-            "optimizers.EMA(model, args.ema)",
+            "averages.EMA(model, args.ema)",
             "ema.update()",
             "ema.evaluated(",
             "recorder.epoch(record)",

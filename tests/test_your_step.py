@@ -212,6 +212,9 @@ def test_a_frozen_teacher_is_on_no_optimizer_and_in_no_saved_file_and_distills_a
 
 
 YOUR_GAN = '''
+from extras import together
+
+
 class Points(torch.utils.data.Dataset):
     """Points of a plane around (2, -1); each sample also holds the generator's noise for it (drawn per sample:
     alike on any number of processes), and the discriminator's targets: real 1, generated 0."""
@@ -227,7 +230,7 @@ class Points(torch.utils.data.Dataset):
         return {"real": self.points[index], "noise": torch.randn(4)}, torch.tensor([1.0, 0.0])
 
 
-class GAN(utils.TrainedTogether):
+class GAN(together.TrainedTogether):
     """The generator and the discriminator, trained together: each its own DDP and optimizer."""
 
     def forward(self, real, noise):
@@ -293,7 +296,7 @@ calls = 0
 def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_exactly_and_is_profiled_by_step(
     tmp_path,
 ):
-    """A GAN in the user's train_step (build_model's utils.TrainedTogether: each model its own DDP and optimizer, a
+    """A GAN in the user's train_step (build_model's together.TrainedTogether: each model its own DDP and optimizer, a
     discriminator step with a gradient penalty's double backward and a generator step per step): 2 x 16 == 1 x 32 (1e-5), both losses recorded over all
     ranks; SIGTERM to rank 1 mid-epoch and the same command again == the straight run (1e-6, both models, both
     optimizers and schedules), each step's record once; --profile 3:5 holds steps 3 to 5 each once (one data phase,
@@ -322,7 +325,7 @@ def test_a_gan_of_two_ddps_and_two_optimizers_trains_alike_on_2_and_1_continues_
     )
     # a script that trains one model says so, in one line
     assert results[-1].returncode == 1 and results[-1].stderr.strip().splitlines() == [
-        "error: build_model's GAN is models trained together (utils.TrainedTogether): distributed.py,"
+        "error: build_model's GAN is models trained together (extras/together.py): distributed.py,"
         " distributed_mp.py and distributed_amp.py train each in its own DDP; this script trains one model"
     ], results[-1].stderr
     state = torch.load(stopped / "checkpoint.pt", weights_only=True)

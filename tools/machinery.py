@@ -102,7 +102,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from extras import optimizers
+import utils
 
 
 def main():
@@ -122,7 +122,7 @@ def main():
     )
     model = DDP(build_model(args, num_classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * len(loader), 0.1)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), 0.1)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for images, labels in loader:

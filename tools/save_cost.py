@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torchvision  # noqa: E402
 
-from extras import checkpoints, optimizers  # noqa: E402
+from extras import averages, checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def fsdp_rank(rank: int, folder: str, repeats: int, port: int, times) -> None:
     state = {
         "model": checkpoints.without_ties(get_model_state_dict(model), model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
-        "ema": optimizers.EMA(model, 0.999).state_dict(),
+        "ema": averages.EMA(model, 0.999).state_dict(),
     }
     directory, watchdog = Path(folder) / "checkpoint", Unwatched()
     write = functools.partial(script.save_sharded, group=dist.new_group(backend="gloo"))

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the same fake images and model as the scripts, and the same flags and learning-rate schedule
 import utils  # noqa: E402
-from extras import builtin, metrics, optimizers  # noqa: E402
+from extras import builtin, metrics  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -136,7 +136,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
-    scheduler = optimizers.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
+    scheduler = utils.warmup_cosine(optimizer, args.epochs * len(loader), args.warmup)
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
 
     for epoch in range(args.epochs):
