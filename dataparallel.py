@@ -25,8 +25,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    seeds,
-    stalls,
 )
 from utils import UsageError, log
 
@@ -155,8 +153,9 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        # the workers' seeds from (seed, rank): the global random stream stays the model's
-        generator=seeds.loader_generator(args.seed, 0),
+        # the workers' seeds from (seed, rank), different on each rank: the global random stream
+        # stays the model's
+        generator=torch.Generator().manual_seed(utils.derive(args.seed, "workers", 0)),
     )
     # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
     # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
@@ -173,20 +172,30 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
     checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
-    train_set = seeds.per_sample(train_set, args.seed)
-    val_set = seeds.per_sample(val_set, args.seed)
-    # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any number
-    # of workers and when continued
-    seeded = dict(
-        common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, 0)
-    )
+    # (extras/seeds.py; --no-sample-seeds leaves them to the DataLoader's own streams)
+    seeded = common
+    if not args.no_sample_seeds:
+        from extras import seeds
+
+        train_set = seeds.per_sample(train_set, args.seed)
+        val_set = seeds.per_sample(val_set, args.seed)
+        # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any
+        # number of workers and when continued
+        seeded = dict(
+            common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, 0)
+        )
     # one process loads the whole batch; DataParallel splits it over the GPUs
     # a stream is read here (extras/streams.py), as the DDP scripts read it at world size 1
     if isinstance(train_set, IterableDataset):
         from extras import streams
 
         train_sampler = streams.StreamSampler(
-            train_set, args.batch_size, 0, 1, seed=args.seed, seeded=seeds.sample_streams
+            train_set,
+            args.batch_size,
+            0,
+            1,
+            seed=args.seed,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     # yours, drawn whole from (seed, epoch) as the DDP scripts draw it on every rank: each batch
@@ -217,7 +226,13 @@ def build_loaders(train_set, val_set, args, device) -> tuple[DataLoader, DataLoa
         from extras import streams
 
         val_sampler = streams.StreamSampler(
-            val_set, args.batch_size, 0, 1, train=False, seed=args.seed, seeded=seeds.sample_streams
+            val_set,
+            args.batch_size,
+            0,
+            1,
+            train=False,
+            seed=args.seed,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
@@ -239,7 +254,7 @@ class Training:
     val_loader: DataLoader
     device: torch.device
     stop: utils.StopSignal  # the step every rank stops, or saves, after
-    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    watchdog: object  # a stalled rank ends every rank, named (stalls.Watchdog; or NoWatchdog)
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
@@ -396,17 +411,22 @@ def main(teardown: ExitStack) -> None:
         if rank == 0:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
-    # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # it stops as main ends (extras/stalls.py; --no-watchdog leaves it out: then nobody watches)
+    watchdog = utils.NoWatchdog()
+    if not args.no_watchdog:
+        from extras import stalls
+
+        watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     # --workers N: a stalled rank's report says what its DataLoader workers are doing
-    if args.workers:
+    if args.workers and not args.no_watchdog:
         from extras import workers
 
         watchdog.worker_stacks = workers.worker_stacks
     # on a terminal, rank 0's live line while anything runs: the step of steps and the time left, a
-    # validation's batches, a save, the start (extras/live.py); --no-live-line leaves it out
+    # validation's batches, a save, the start (extras/live.py, from the watchdog's notes);
+    # --no-live-line leaves it out
     live_line = None
-    if rank == 0 and sys.stderr.isatty() and not args.no_live_line:
+    if rank == 0 and sys.stderr.isatty() and not args.no_live_line and not args.no_watchdog:
         from extras import live
 
         live_line = teardown.enter_context(live.LiveLine(watchdog, args.epochs))

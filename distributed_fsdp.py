@@ -16,9 +16,7 @@ rank writes its part of checkpoint/, and any number of processes can continue fr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import errno
 import functools
 import os
 import shutil
@@ -54,8 +52,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    seeds,
-    stalls,
 )
 from utils import UsageError, log
 
@@ -257,8 +253,8 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             store=store,
             rank=rank,
             world_size=world_size,
-            # the watchdog names a stalled rank first
-            timeout=timeout + stalls.GRACE,
+            # the watchdog names a stalled rank first (extras/stalls.py's GRACE)
+            timeout=timeout + timedelta(seconds=30),
             device_id=device if "nccl" in backend else None,
         )
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
@@ -277,8 +273,9 @@ def build_loaders(
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        # the workers' seeds from (seed, rank): the global random stream stays the model's
-        generator=seeds.loader_generator(args.seed, rank),
+        # the workers' seeds from (seed, rank), different on each rank: the global random stream
+        # stays the model's
+        generator=torch.Generator().manual_seed(utils.derive(args.seed, "workers", rank)),
     )
     # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
     # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
@@ -295,13 +292,18 @@ def build_loaders(
     checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
-    train_set = seeds.per_sample(train_set, args.seed)
-    val_set = seeds.per_sample(val_set, args.seed)
-    # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any number
-    # of workers and when continued
-    seeded = dict(
-        common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
-    )
+    # (extras/seeds.py; --no-sample-seeds leaves them to the DataLoader's own streams)
+    seeded = common
+    if not args.no_sample_seeds:
+        from extras import seeds
+
+        train_set = seeds.per_sample(train_set, args.seed)
+        val_set = seeds.per_sample(val_set, args.seed)
+        # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any
+        # number of workers and when continued
+        seeded = dict(
+            common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
+        )
     # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
@@ -313,7 +315,7 @@ def build_loaders(
             rank,
             world_size,
             seed=args.seed,
-            seeded=seeds.sample_streams,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -364,7 +366,7 @@ def build_loaders(
             world_size,
             train=False,
             seed=args.seed,
-            seeded=seeds.sample_streams,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
@@ -517,7 +519,7 @@ class Training:
     val_loader: DataLoader
     device: torch.device
     stop: utils.StopSignal  # the step every rank stops, or saves, after
-    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    watchdog: object  # a stalled rank ends every rank, named (stalls.Watchdog; or NoWatchdog)
     saves: checkpoints.Saves  # every rank's shards, written while training goes on
     save_group: dist.ProcessGroup  # the sharded save's collectives, run by the writing thread
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
@@ -614,7 +616,7 @@ def evaluate(run: Training) -> dict:
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
-    spare = (0, run.val_loader.collate_fn(utils.first_samples(run.val_loader, 1))[1])
+    spare = (0, run.val_loader.collate_fn(checks.first_samples(run.val_loader, 1))[1])
     # a batch this rank cannot read (a bad file) ends its share, and validation_record() every rank
     shard = meter.read(run.val_loader)
     while True:
@@ -661,26 +663,13 @@ def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGrou
         error = next(error for error, _ in e.failures.values())
         if isinstance(error, OSError) and error.errno:
             raise OSError(error.errno, error.strerror, str(new)) from None
-        raise write_error(new) from None
+        raise checkpoints.write_error(new) from None
     if dist.get_rank() == 0:
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             os.replace(directory, old)
         os.replace(new, directory)
         shutil.rmtree(old, ignore_errors=True)
-
-
-def write_error(directory: Path) -> OSError:
-    """Why writing into directory fails, as the OS says it (a full disk): torch.save inside a
-    sharded save can report a short write as a C++ error."""
-    probe = directory / f".probe{os.getpid()}"
-    try:
-        probe.write_bytes(bytes(2**20))
-    except OSError as e:
-        return OSError(e.errno, e.strerror, str(directory))
-    finally:
-        probe.unlink(missing_ok=True)
-    return OSError(errno.EIO, "a shard could not be written", str(directory))
 
 
 def latest_checkpoint(directory: Path, rank: int) -> str | None:
@@ -761,7 +750,7 @@ def save_checkpoint(run: Training, epoch: int, step: int, final: bool = False) -
     for name in ["model", "model_ema"][: 1 + (run.ema is not None)] if final else []:
         # for one process, inference or distributed.py, written while swapped in
         # (one process's gathered weights are the model's own tensors)
-        with run.ema.swapped() if name == "model_ema" else contextlib.nullcontext():
+        with run.ema.swapped() if name == "model_ema" else nullcontext():
             weights = gather_weights(module)
             with utils.errors_shared_by_all_ranks():
                 if rank == 0:  # and a Hugging Face model's hf/, from the same gathered weights
@@ -809,17 +798,22 @@ def main(teardown: ExitStack) -> None:
             # a killed write's
             shutil.rmtree(output_dir / "checkpoint.new", ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
-    # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # it stops as main ends (extras/stalls.py; --no-watchdog leaves it out: then nobody watches)
+    watchdog = utils.NoWatchdog()
+    if not args.no_watchdog:
+        from extras import stalls
+
+        watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     # --workers N: a stalled rank's report says what its DataLoader workers are doing
-    if args.workers:
+    if args.workers and not args.no_watchdog:
         from extras import workers
 
         watchdog.worker_stacks = workers.worker_stacks
     # on a terminal, rank 0's live line while anything runs: the step of steps and the time left, a
-    # validation's batches, a save, the start (extras/live.py); --no-live-line leaves it out
+    # validation's batches, a save, the start (extras/live.py, from the watchdog's notes);
+    # --no-live-line leaves it out
     live_line = None
-    if rank == 0 and sys.stderr.isatty() and not args.no_live_line:
+    if rank == 0 and sys.stderr.isatty() and not args.no_live_line and not args.no_watchdog:
         from extras import live
 
         live_line = teardown.enter_context(live.LiveLine(watchdog, args.epochs))
@@ -958,7 +952,8 @@ def main(teardown: ExitStack) -> None:
         stop=stop,
         watchdog=watchdog,
         saves=saves,
-        save_group=dist.new_group(backend="gloo"),  # the saves' collectives, on the CPU
+        # the saves' collectives on the CPU: a group every rank makes here
+        save_group=dist.new_group(backend="gloo"),
         recorder=recorder,
         val_metrics=val_metrics,
     )

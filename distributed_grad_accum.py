@@ -34,8 +34,6 @@ from extras import (
     checkpoints,
     checks,
     metrics,
-    seeds,
-    stalls,
 )
 from utils import UsageError, log
 
@@ -336,8 +334,8 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             store=store,
             rank=rank,
             world_size=world_size,
-            # the watchdog names a stalled rank first
-            timeout=timeout + stalls.GRACE,
+            # the watchdog names a stalled rank first (extras/stalls.py's GRACE)
+            timeout=timeout + timedelta(seconds=30),
             device_id=device if backend == "nccl" else None,
         )
     return rank, local_rank, world_size, device
@@ -354,8 +352,9 @@ def build_loaders(
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        # the workers' seeds from (seed, rank): the global random stream stays the model's
-        generator=seeds.loader_generator(args.seed, rank),
+        # the workers' seeds from (seed, rank), different on each rank: the global random stream
+        # stays the model's
+        generator=torch.Generator().manual_seed(utils.derive(args.seed, "workers", rank)),
     )
     # --workers N: they start from a forkserver, not a fork of this process, whose threads (gloo's)
     # could deadlock a forked child; they leave SIGTERM to this process, which stops at a step all
@@ -372,13 +371,18 @@ def build_loaders(
     checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
-    train_set = seeds.per_sample(train_set, args.seed)
-    val_set = seeds.per_sample(val_set, args.seed)
-    # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any number
-    # of workers and when continued
-    seeded = dict(
-        common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
-    )
+    # (extras/seeds.py; --no-sample-seeds leaves them to the DataLoader's own streams)
+    seeded = common
+    if not args.no_sample_seeds:
+        from extras import seeds
+
+        train_set = seeds.per_sample(train_set, args.seed)
+        val_set = seeds.per_sample(val_set, args.seed)
+        # the training collate's draws (MixUp, CutMix) from its batch's place: alike with any
+        # number of workers and when continued
+        seeded = dict(
+            common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
+        )
     # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
     # samples the workers collate (so they never read the stream, which cannot split itself twice)
     if isinstance(train_set, IterableDataset):
@@ -392,7 +396,7 @@ def build_loaders(
             # a step's batch: its readers
             micro_batches=args.accum_steps,
             seed=args.seed,
-            seeded=seeds.sample_streams,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
     elif user_sampler is not None:
@@ -443,7 +447,7 @@ def build_loaders(
             world_size,
             train=False,
             seed=args.seed,
-            seeded=seeds.sample_streams,
+            seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         val_loader = DataLoader(streams.Samples(), None, sampler=val_sampler, **common)
     else:
@@ -471,7 +475,7 @@ class Training:
     val_loader: DataLoader
     device: torch.device
     stop: utils.StopSignal  # the step every rank stops, or saves, after
-    watchdog: stalls.Watchdog  # a stalled rank ends every rank, named
+    watchdog: object  # a stalled rank ends every rank, named (stalls.Watchdog; or NoWatchdog)
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
@@ -655,17 +659,22 @@ def main(teardown: ExitStack) -> None:
         if rank == 0:
             checks.check_output_dir(output_dir)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
-    # it stops as main ends
-    watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
+    # it stops as main ends (extras/stalls.py; --no-watchdog leaves it out: then nobody watches)
+    watchdog = utils.NoWatchdog()
+    if not args.no_watchdog:
+        from extras import stalls
+
+        watchdog = teardown.enter_context(stalls.Watchdog(args.timeout, output_dir, rank))
     # --workers N: a stalled rank's report says what its DataLoader workers are doing
-    if args.workers:
+    if args.workers and not args.no_watchdog:
         from extras import workers
 
         watchdog.worker_stacks = workers.worker_stacks
     # on a terminal, rank 0's live line while anything runs: the step of steps and the time left, a
-    # validation's batches, a save, the start (extras/live.py); --no-live-line leaves it out
+    # validation's batches, a save, the start (extras/live.py, from the watchdog's notes);
+    # --no-live-line leaves it out
     live_line = None
-    if rank == 0 and sys.stderr.isatty() and not args.no_live_line:
+    if rank == 0 and sys.stderr.isatty() and not args.no_live_line and not args.no_watchdog:
         from extras import live
 
         live_line = teardown.enter_context(live.LiveLine(watchdog, args.epochs))

@@ -8,7 +8,8 @@ library. Top to bottom:
 - a batch of any task: each rank's part of a global batch (share, split_batch), on the device,
   forwarded, its loss weighted so that W processes train what one does (loss_for_backward); the
   validation's shares, every sample once (ValidationShares);
-- the stop every rank agrees on (StopSignal: SIGTERM, SIGUSR1, --save-minutes);
+- the stop every rank agrees on (StopSignal: SIGTERM, SIGUSR1, --save-minutes); the stall
+  watchdog's stand-in where --no-watchdog leaves extras/stalls.py out (NoWatchdog);
 - every random draw from the seed and where it is drawn; files written whole; the optimizer and
   its schedule (build_optimizer, warmup_cosine);
 - the flags every script shares (build_parser, check_args), DDP's own (add_ddp_flags);
@@ -461,20 +462,6 @@ def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
     )
 
 
-def first_samples(loader: DataLoader, n: int) -> list:
-    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
-    spare batch."""
-    # A stream's sampler (streams.StreamSampler) reads them from the stream.
-    if hasattr(loader.sampler, "first"):
-        return loader.sampler.first(n)
-    # A share of nothing (a validation sampler with no index) takes the first of the set.
-    indices = loader.sampler or range(len(loader.dataset))
-    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
-    if hasattr(loader.dataset, "first_drawn"):
-        return loader.dataset.first_drawn(indices, n)
-    return [loader.dataset[i] for i in itertools.islice(indices, n)]
-
-
 def samples_in_step(sampler, step: int, batch_size: int) -> int:
     """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew
     (samplers.DrawnShares says)."""
@@ -613,6 +600,20 @@ def next_batch(batches) -> tuple[object, str]:
         return None, str(e)
 
 
+class NoWatchdog:
+    """What the scripts and the saves tell a watchdog of their progress (a batch, a save's bytes),
+    told to nobody: the stand-in for extras/stalls.py's where --no-watchdog leaves it out."""
+
+    def batch(self, epoch: int | None = None, step: int | None = None) -> None:
+        pass
+
+    def writing(self, path: Path, growing: Path | None = None) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def save_taken(self) -> None:
+        pass
+
+
 # ---- every random draw from the seed and where it is drawn ----
 
 
@@ -746,7 +747,7 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """--optimizer over the model's parameters, with its peak lr and weight decay (check_args fills
     their defaults); models trained together (extras/together.py): one each,
     run.optimizer["generator"]."""
-    if hasattr(model, "each"):
+    if getattr(model, "trained_together", False):
         return model.each(build_optimizer, args)
     # AdamW fused: each tensor in one pass, where foreach (the default) makes a temporary copy of
     # all the weights; not with float16 (FSDP's gradient scaler checks overflow on all ranks on the
@@ -766,7 +767,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: float):
     """The learning-rate schedule over `steps` optimizer steps, stepped after each: a linear rise
     over its first `warmup` part, then a cosine decay to 0 (models trained together: one for each
     optimizer, run.scheduler["generator"])."""
-    if hasattr(optimizer, "each"):
+    if getattr(optimizer, "trained_together", False):
         return optimizer.each(warmup_cosine, steps, warmup)
     rise = max(1, round(warmup * steps))
 
@@ -906,6 +907,12 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
         " and each rank's dropout (from seed, rank, step)",
     )
     add(
+        "--no-sample-seeds",
+        action="store_true",
+        help="leave out each sample's seeds (extras/seeds.py): its random transforms then come from"
+        " the DataLoader's streams, which differ with the number of processes and workers",
+    )
+    add(
         "--print-freq",
         type=int,
         default=50,
@@ -987,6 +994,12 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
             " ends, naming it; before the first step, how long a rank may wait for another (the"
             " rendezvous, a collective); start-up work itself has no bound"
         ),
+    )
+    add(
+        "--no-watchdog",
+        action="store_true",
+        help="leave out the stall watchdog (extras/stalls.py): a stalled rank then holds the others"
+        " until a collective times out, --timeout + 30 s, unnamed; no live line either",
     )
     add(
         "--channels-last",

@@ -4,7 +4,7 @@ A script makes it in one block, and asks `if run.ema is not None` where it updat
 saves it:
 
     ema = None
-    if args.ema:
+    if args.ema is not None:  # 0 too: the weights themselves, validated twice
         from extras import averages
 
         ema = averages.EMA(model, args.ema)

@@ -6,6 +6,7 @@ tied_once); metrics.jsonl's lines; a Hugging Face model's save_pretrained.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -144,6 +145,19 @@ class Saves:
         self.writer.shutdown(wait=True)
 
 
+def write_error(directory: Path) -> OSError:
+    """Why writing into directory fails, as the OS says it (a full disk): torch.save inside a
+    sharded save can report a short write as a C++ error."""
+    probe = directory / f".probe{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(2**20))
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(directory))
+    finally:
+        probe.unlink(missing_ok=True)
+    return OSError(errno.EIO, "a shard could not be written", str(directory))
+
+
 def each_tensor_once(leaves: list) -> dict[tuple, torch.Tensor]:
     """The tensors among leaves, each once (a tensor that appears twice: a tied head and embedding),
     in the order they first appear; a shard of an FSDP parameter (a DTensor), its rank's part."""
@@ -229,8 +243,9 @@ def restore(state: dict | None, path: Path | str, args, **stateful) -> tuple[int
             raise UsageError(f"{message}: use another --output-dir")
     try:
         for name, obj in stateful.items():
-            # None: what this run keeps none of (no --ema), nor may the checkpoint
-            if obj is None and state.get(name) is not None:
+            # None: what this run keeps none of (no --ema), nor may the checkpoint hold a tensor of
+            # it (an average without tensors: one written before the average was an extra)
+            if obj is None and any(torch.is_tensor(x) for x in tree_flatten(state.get(name))[0]):
                 raise ValueError(f"it holds {name}, which this run keeps none of")
             if obj is not None:
                 obj.load_state_dict(state[name])

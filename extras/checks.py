@@ -6,6 +6,7 @@ weights before anything is saved.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import pickle
 import tempfile
 from collections.abc import Callable
@@ -22,7 +23,6 @@ from utils import (
     describe_value,
     errors_shared_by_all_ranks,
     first_line,
-    first_samples,
     forward,
     log,
     refused_as_one_line,
@@ -184,6 +184,20 @@ def first_step_flops(
         if "convolution" in str(op)
     )
     return flops / samples, convolutions / max(flops, 1)
+
+
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
+    spare batch."""
+    # A stream's sampler (streams.StreamSampler) reads them from the stream.
+    if hasattr(loader.sampler, "first"):
+        return loader.sampler.first(n)
+    # A share of nothing (a validation sampler with no index) takes the first of the set.
+    indices = loader.sampler or range(len(loader.dataset))
+    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
+    if hasattr(loader.dataset, "first_drawn"):
+        return loader.dataset.first_drawn(indices, n)
+    return [loader.dataset[i] for i in itertools.islice(indices, n)]
 
 
 def check_draws_reach(dataset) -> None:

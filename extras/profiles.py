@@ -73,7 +73,7 @@ class StepPhases:
         """The model's forward hook marks the backward's start, the optimizer's step hook its
         phase (models trained together: each one's, each optimizer's)."""
         # models trained together (together.Wrapped): each one's
-        for part in model.values() if hasattr(model, "each") else [model]:
+        for part in model.values() if getattr(model, "trained_together", False) else [model]:
             # a forward begins its phase (an accumulated step's later micro-batches, read before)
             part.register_forward_pre_hook(lambda module, inputs: self.enter(FORWARD, module))
             part.register_forward_hook(self.forward_ends)

@@ -1,11 +1,11 @@
 """Where each random draw comes from: the seed and where it is drawn, never which rank or worker
 draws it. A sample's random transforms from (seed, epoch, index) (per_sample; a stream's from
 its place, sample_streams), so that W processes with any number of workers train what one does;
-randomness inside the model (dropout) from (seed, rank, epoch, step) (seed_step): each rank its own,
-as one process draws its own for each sample, and a continued run draws what a straight one does;
-the loaders' workers from (seed, rank) (loader_generator); the generators a dataset keeps for
-itself reseeded per sample (own_generators); a collate's draws from its batch's place
-(SeededCollate).
+randomness inside the model (dropout) from (seed, rank, epoch, step) (the core's seed_step): each
+rank its own, as one process draws its own for each sample, and a continued run draws what a
+straight one does; the generators a dataset keeps for itself reseeded per sample
+(own_generators); a collate's draws from its batch's place (SeededCollate). A script enters it in
+one block, which --no-sample-seeds leaves out.
 """
 
 from __future__ import annotations
@@ -218,12 +218,6 @@ def sample_streams(reader, seed: int, *where):
             return
         yield sample
         count += 1
-
-
-def loader_generator(seed: int, rank: int) -> torch.Generator:
-    """A DataLoader's generator from (seed, rank): its workers' base seed changes with --seed and
-    differs between ranks (what a collate draws); the global stream stays the model's."""
-    return torch.Generator().manual_seed(derive(seed, "workers", rank))
 
 
 def seed_generators(generators: list, seed: int) -> None:

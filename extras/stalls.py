@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from utils import first_line, first_to_say, record_for_torchrun, user_frame, world_size, write_line
 
-# Collectives wait this much longer than --timeout, so that the watchdog speaks first.
+# Collectives wait this much longer than --timeout, so that the watchdog speaks first: the scripts
+# give init_process_group timeout + timedelta(seconds=30) (tests/test_your_own_data.py checks it).
 GRACE = datetime.timedelta(seconds=30)
 
 

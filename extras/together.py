@@ -9,7 +9,8 @@ A script takes them in one block, where it wraps the model in DDP:
 
         model = together.Wrapped(model, DDP, **options)
 
-utils.build_optimizer and utils.warmup_cosine then make one for each part (Wrapped.each).
+utils.build_optimizer and utils.warmup_cosine then make one for each part (Wrapped.each): each
+of the three classes says trained_together = True.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Wrapped(nn.ModuleDict):
     """Models trained together (TrainedTogether), each in its own wrapper, wrap(part, **options)
     (its own DDP): run.model["generator"]. Its module, which unwrap() gives, is the ModuleDict as
     built: what validation calls, what the checkpoints save."""
+
+    trained_together = True  # what utils.build_optimizer and the scripts' --compile ask
 
     def __init__(self, models: nn.ModuleDict, wrap: Callable[..., nn.Module], **options):
         super().__init__({name: wrap(part, **options) for name, part in models.items()})
@@ -60,6 +63,8 @@ class Wrapped(nn.ModuleDict):
 class Each(dict):
     """The optimizers (or schedulers) of models trained together, by the model's name: saved,
     restored, stepped and timed together; param_groups and state are all of theirs."""
+
+    trained_together = True  # what utils.warmup_cosine asks
 
     def each(self, build: Callable, *args) -> Each:
         """build(part, *args) for each, by its name: its schedule (utils.warmup_cosine)."""

@@ -5,18 +5,20 @@ head that gets no gradient, one that diverges. Each trains as the built-in class
 from __future__ import annotations
 
 import ast
+import datetime
 import re
 import sys
 import math
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import utils
-from extras import checks
+from extras import checks, stalls
 from extras.metrics import Meter
 from processes import (
     OFFLINE,
@@ -627,16 +629,16 @@ def code_lines(path: Path) -> int:
 # rendezvous, DDP's flags and the validation record in utils/ once. None may grow without a reason
 # written here.
 SCRIPT_LINES = {
-    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4,
+    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4 + 6,
     # and the three scripts that had registered batches.CountWeights: PyTorch's bf16_compress_hook
     # for --comm-hook, its import (1; utils/ 43 fewer)
-    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7,
-    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7,
-    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7,
+    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7 + 6,
+    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6,
+    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1,
-    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4,
+    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
 # the blocks that import an extra where it is used (Slurm's and torchrun's elastic store at the
@@ -658,7 +660,10 @@ SCRIPT_LINES = {
 # (extras/together.py; its import, and --compile's branch for them: 3 more in the three scripts that train them);
 # accumulation's DDP options named as distributed.py names them (1, its diff from distributed.py unchanged); FSDP's
 # 3 fewer elsewhere (its saves' group made where it is passed, the unwrapped model where it is loaded, the restore
-# called once with or without a checkpoint).
+# called once with or without a checkpoint). Then the two extras on by default entered by their blocks, which
+# --no-watchdog and --no-sample-seeds leave out (6 in every script: each block's if and import, the watchdog's
+# stand-in, the seeded loaders' default); FSDP's made room by its write_error, now extras/checkpoints.py's (9), its
+# spare validation batch's first_samples extras/checks.py's, and contextlib no longer imported there (1).
 
 
 def statements(path: Path) -> int:
@@ -683,7 +688,7 @@ def statements(path: Path) -> int:
 EXTRAS_IMPORTING_EXTRAS: dict[str, set[str]] = {}
 # The extras a script still imports at its top rather than in the block that uses them: a ratchet toward none.
 EXTRAS_AT_THE_TOP = {
-    *"checkpoints checks metrics seeds stalls".split(),
+    *"checkpoints checks metrics".split(),
     "batches",  # distributed_grad_accum.py's micro-batches
 }
 # What a user copies (distributed.py, utils.py and every extra), in statements (../shared/tools/statements): the
@@ -694,8 +699,12 @@ EXTRAS_AT_THE_TOP = {
 # accuracy is recorded (27); FSDP's gloo check moved into extras/checks.py (5) to make room in distributed_fsdp.py
 # for its live line and picture; the core's check_args shorter by 4 and its line for an extra the copy lacks 3.
 # The minimal copy's optimizer in the core: --ema's average and models trained together extras of their own, their
-# blocks in distributed.py (5 fewer in all).
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5
+# blocks in distributed.py (5 fewer in all). The watchdog and each sample's seeds entered by their blocks, which
+# --no-watchdog and --no-sample-seeds leave out (distributed.py 4; the core's two flags and the watchdog's stand-in,
+# NoWatchdog, 9, for which first_samples, the start-up step's, moved out of it into extras/checks.py, 7; the
+# loaders' generator made in the scripts, not extras/seeds.py, -2; together's one marker 2: 13 in all); FSDP's
+# write_error, which makes room for them in distributed_fsdp.py, in extras/checkpoints.py (7).
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds
@@ -718,10 +727,12 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
 
 
 # The smallest copy that trains a user's project: a script, the core and the extras its top imports (these, and
-# accumulation's batches); the blocks that the machine enters without a flag deleted with their extras' files:
-# the run's picture (always), the live line (a terminal), MFU's peaks and DataLoader workers (a GPU), the
-# torchrun agent's store (torchrun). Every other extra's block is entered by a flag or a plug point's return.
+# accumulation's batches), run with the flags that leave out the two extras on by default (the watchdog, each
+# sample's seeds); the blocks that the machine enters without a flag deleted with their extras' files: the run's
+# picture (always), the live line (a terminal), MFU's peaks and DataLoader workers (a GPU), the torchrun agent's
+# store (torchrun). Every other extra's block is entered by a flag or a plug point's return.
 SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
+SMALLEST_FLAGS = ("--no-watchdog", "--no-sample-seeds")
 BLOCKS_DELETED = ("curves", "live", "peaks", "workers", "elastic")
 
 
@@ -782,7 +793,7 @@ def smallest_copy(script: str, directory: Path, yours: str) -> Path:
 def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
     """A user deletes an extra by deleting its file and its blocks: a script, utils.py and the extras its top
     imports, with the blocks the machine enters without a flag deleted (BLOCKS_DELETED) and every other extra's file
-    (their blocks not entered by these flags), train the user's own classification on 2 processes (dataparallel.py:
+    (their blocks not entered by these flags, SMALLEST_FLAGS leaving out the watchdog's and the seeds'), train the user's own classification on 2 processes (dataparallel.py:
     1) to the weights of the whole copy bit for bit, and to its records' losses, accuracies, learning rates and
     validation samples; it writes no curves.svg. distributed.py's, launched by a real torchrun, holds the statements
     the README says; a flag whose extra it lacks (--phases) ends every rank with one line naming the file and the
@@ -801,11 +812,16 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
         [
             (
                 launch(
-                    copy, processes, *COMMON, "--output-dir", tmp_path / f"{copy.parent.name}-out"
+                    copy,
+                    processes,
+                    *COMMON,
+                    *flags,
+                    "--output-dir",
+                    tmp_path / f"{copy.parent.name}-out",
                 ),
                 {},
             )
-            for copy in (whole, smallest)
+            for copy, flags in ((whole, ()), (smallest, SMALLEST_FLAGS))
         ]
     )
     out, reference = tmp_path / "smallest-out", tmp_path / "whole-out"
@@ -825,12 +841,103 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
         assert sum(statements(path) for path in copied) == int(said[1].replace(",", "")), said[0]
         # a flag whose extra this copy lacks: one line naming the file and the block's line
         refused = run(
-            launch(smallest, 2, *COMMON, "--phases", "--output-dir", tmp_path / "refused"),
+            launch(
+                smallest,
+                2,
+                *COMMON,
+                *SMALLEST_FLAGS,
+                "--phases",
+                "--output-dir",
+                tmp_path / "refused",
+            ),
             check=False,
         )
         ends_every_rank_with(
             refused, "error: extras/profiles.py is not in this copy, at main (distributed.py:"
         )
+
+
+# YOUR_CLASSIFICATION, and what a test asks of it by its environment: a SIGTERM to rank 1 at its STOP_AT-th loss (a
+# scheduler's preemption mid-epoch), an error of its own in rank 1's build_datasets (FAIL), an atexit handler that
+# notes each rank's end in the folder ENDS
+YOUR_CLASSIFICATION_TRIED = """
+import atexit
+import os
+import signal
+
+LOSSES = [0]
+
+if "ENDS" in os.environ:
+    atexit.register(lambda: Path(os.environ["ENDS"], f"atexit-rank{os.environ.get('RANK', '0')}").touch())
+""" + YOUR_CLASSIFICATION.replace(
+    "def build_datasets(args):\n",
+    "def build_datasets(args):\n"
+    "    if os.environ.get('FAIL') and os.environ.get('RANK') == '1':\n"
+    "        raise ValueError('your data is not there')\n",
+).replace(
+    "def compute_loss(outputs, targets):\n",
+    "def compute_loss(outputs, targets):\n"
+    "    LOSSES[0] += 1\n"
+    "    if os.environ.get('RANK') == '1' and LOSSES[0] == int(os.environ.get('STOP_AT', 0)):\n"
+    "        os.kill(os.getpid(), signal.SIGTERM)\n",
+)
+
+
+@pytest.mark.real_launch
+def test_the_smallest_copy_keeps_the_cores_guarantees(tmp_path):
+    """The smallest copy of distributed.py (as above: the script, utils.py and the extras its top imports, run with
+    SMALLEST_FLAGS), with the user's own data, model and loss, under a real torchrun: 2 x 16 trains what 1 x 32 does (1e-5); SIGTERM to rank 1
+    mid-epoch and the same command again equal the straight run (1e-6, the weights and steps.jsonl's losses,
+    accuracies and learning rates); every validation sample counted once (203 of them); the user's atexit handler
+    runs on every rank; an error of the user's own in rank 1's build_datasets ends both ranks within seconds, not
+    zero, its message said once, as it is."""
+    script = smallest_copy("distributed.py", tmp_path / "copy", YOUR_CLASSIFICATION_TRIED)
+    assert {path.stem for path in (script.parent / "extras").glob("*.py")} == SMALLEST_COPY
+    common = [*COMMON, *SMALLEST_FLAGS]
+    two, one, stopped, ends = (tmp_path / name for name in ("two", "one", "stopped", "ends"))
+    ends.mkdir()
+    results = run_parallel(
+        [
+            (launch(script, 2, *common, "--output-dir", two), {"ENDS": str(ends)}, tmp_path),
+            (launch(script, 1, *common, "--output-dir", one), {}, tmp_path),
+            (launch(script, 2, *common, "--output-dir", stopped), {"STOP_AT": "35"}, tmp_path),
+        ],
+        check=False,
+    )
+    assert [result.returncode for result in results[:2]] == [0, 0], (
+        results[0].stderr + results[1].stderr
+    )
+    stop = "stopped by SIGTERM after step 8/20 of epoch 2, saved: the same command continues from there"
+    assert results[2].returncode != 0 and stop in results[2].stderr, results[2].stderr
+    # stopped mid-epoch 2 (20 steps an epoch; its 35th loss: the start-up step's, 20, 7 validation batches', 7),
+    # after the step that follows the signal (the ranks agree as each step begins)
+    state = torch.load(stopped / "checkpoint.pt", weights_only=True)
+    assert (state["epoch"], state["step"]) == (1, 8), (state["epoch"], state["step"])
+    started = time.monotonic()
+    failed = run(
+        launch(script, 2, *common, "--output-dir", tmp_path / "failed"),
+        env={"FAIL": "1"},
+        check=False,
+        cwd=tmp_path,
+    )
+    seconds = time.monotonic() - started
+    run(launch(script, 2, *common, "--output-dir", stopped), cwd=tmp_path)
+    assert max_weight_difference(one, two) <= 1e-5
+    assert max_weight_difference(stopped, two) <= 1e-6
+    trained = ("global_step", "train_loss", "train_acc", "lr", "val_loss", "val_acc", "val_images")
+    # each record once, its numbers the straight run's
+    for a, b in zip(steps(stopped), steps(two), strict=True):
+        for key in trained:
+            assert a.get(key) == b.get(key) or abs(a[key] - b[key]) <= 1e-6, (key, a, b)
+    assert [r["val_images"] for r in metrics(two)] == [203] * 3
+    assert {path.name for path in ends.iterdir()} == {"atexit-rank0", "atexit-rank1"}
+    assert (
+        failed.returncode != 0 and failed.stderr.count("ValueError: your data is not there") == 1
+    ), failed.stderr
+    assert seconds < 30, seconds
+    print(
+        f"the smallest copy: 2 x 16 against 1 x 32 {max_weight_difference(one, two):.2g}; its error ended both ranks in {seconds:.1f} s"
+    )
 
 
 def test_the_core_and_its_extras_wired_in_plain_sight():
@@ -990,6 +1097,9 @@ def test_each_script_holds_its_recipe():
                 "destroy_process_group()",
                 "barrier()",
             ]
+            # the collectives wait stalls.GRACE longer than --timeout: the watchdog speaks first
+            assert stalls.GRACE == datetime.timedelta(seconds=30), stalls.GRACE
+            calls += ["timeout=timeout + timedelta(seconds=30)"]
             calls += {
                 "distributed_fsdp.py": ["fully_shard(", "dcp.save(", "dcp.load("],
                 "distributed_diloco.py": ["DiLoCo(", "diloco.step("],

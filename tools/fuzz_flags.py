@@ -109,6 +109,8 @@ VALUES = {
     "--peak-tflops": (["100"], ["0", "-1"]),
     "--phases": SWITCH,
     "--no-live-line": SWITCH,
+    "--no-watchdog": SWITCH,
+    "--no-sample-seeds": SWITCH,
     "--profile": (["1:2"], ["2:1", "x"]),
     "--compile-mode": (["default"], ["fastest"]),
     "--output-dir": (["{dir}/out"], ["{file}/out"]),
