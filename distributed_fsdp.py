@@ -660,7 +660,7 @@ def save_sharded(state: dict, directory: Path, watchdog, group: dist.ProcessGrou
             dcp.save(state, checkpoint_id=new, process_group=group)
     except dcp.api.CheckpointException as e:  # a failed write on any rank, raised on every rank
         # a failed write() names no file: name the directory
-        error = next(error for error, _ in e.failures.values())
+        error = checkpoints.first_failure(e)
         if isinstance(error, OSError) and error.errno:
             raise OSError(error.errno, error.strerror, str(new)) from None
         raise checkpoints.write_error(new) from None
@@ -694,10 +694,10 @@ def load_sharded(
             # what to load into: this rank's shards
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # many types
+    except (Exception, dcp.api.CheckpointException) as e:  # many types; dcp's a BaseException
         raise UsageError(
             f"{path} is not readable or does not fit this model or these flags"
-            f" ({utils.first_line(e)}): use another --output-dir"
+            f" ({utils.first_line(checkpoints.first_failure(e))}): use another --output-dir"
         ) from None
     # a tied parameter was saved once: its other names too
     set_model_state_dict(model, checkpoints.tied_once(state["model"], model))
@@ -718,7 +718,8 @@ def training_state(run: Training) -> dict:
         "scaler": run.scaler.state_dict(),
         # all-reduce, every rank: the epoch's sums over all ranks
         "records": run.recorder.all_ranks_state_dict(),
-        "ema": None if run.ema is None else run.ema.state_dict(),
+        # --ema's average; none without it (dcp reads what is asked: a checkpoint's average unread)
+        **({} if run.ema is None else {"ema": run.ema.state_dict()}),
         "arch": run.args.arch,
         "optimizer_name": run.args.optimizer,
         "epoch": 0,

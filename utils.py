@@ -910,7 +910,8 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
         "--no-sample-seeds",
         action="store_true",
         help="leave out each sample's seeds (extras/seeds.py): its random transforms then come from"
-        " the DataLoader's streams, which differ with the number of processes and workers",
+        " the DataLoader's streams, which differ with the number of processes and workers and in a"
+        " continued run",
     )
     add(
         "--print-freq",

@@ -8,8 +8,8 @@ warnings filter). In the order a reader of distributed.py meets them:
 - stalls: the watchdog that ends a stalled run, naming the rank, its step and its line;
 - workers: how DataLoader workers start (a forkserver) and what they leave to their rank;
 - live: a terminal's live line on rank 0 (the step of steps, the time left), rewritten in place;
-- seeds: where each random draw comes from: a sample's transforms from (seed, epoch, index),
-  dropout from (seed, rank, epoch, step), never from which rank or worker draws;
+- seeds: where a sample's random draws come from: its transforms from (seed, epoch, index), never
+  from which rank or worker draws (dropout's, from (seed, rank, epoch, step), are the core's);
 - samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
   as one process draws it, each rank its share of every global batch; validation's shares;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;

@@ -158,6 +158,13 @@ def write_error(directory: Path) -> OSError:
     return OSError(errno.EIO, "a shard could not be written", str(directory))
 
 
+def first_failure(error: BaseException) -> BaseException:
+    """A sharded save's or load's error (dcp's CheckpointException, which holds each rank's): the
+    first rank's; any other as it is."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
+
+
 def each_tensor_once(leaves: list) -> dict[tuple, torch.Tensor]:
     """The tensors among leaves, each once (a tensor that appears twice: a tied head and embedding),
     in the order they first appear; a shard of an FSDP parameter (a DTensor), its rank's part."""

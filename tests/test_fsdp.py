@@ -617,6 +617,29 @@ def test_a_sharded_checkpoint_that_cannot_be_read_ends_every_rank_with_one_line(
     )
 
 
+def test_a_checkpoint_that_does_not_fit_the_flags_ends_in_one_line_naming_what_it_lacks(tmp_path):
+    """A sharded checkpoint written without --ema, continued with it: dcp's error (a BaseException, which no
+    `except Exception` catches) is one line naming the key the checkpoint lacks, not a traceback."""
+    out = tmp_path / "out"
+    flags = [
+        *TINY[: TINY.index("--ema")],
+        "--epochs",
+        "2",
+        "--stop-after",
+        "1",
+        "--output-dir",
+        out,
+    ]
+    run(python("distributed_fsdp.py", *flags))
+    result = run(python("distributed_fsdp.py", *flags, "--ema", "0.9"), check=False)
+    ends_every_rank_with(
+        result,
+        f"error: {out / 'checkpoint'} is not readable or does not fit this model or these flags (Missing key in"
+        " checkpoint state_dict: ema.updates.)",
+        ranks=1,
+    )
+
+
 @pytest.mark.parametrize("flag", [["--sync-bn"], ["--comm-hook", "bf16"]])
 def test_flags_of_ddp_end_in_one_line(flag, tmp_path):
     """DDP's own flags are the DDP scripts' (their parse_args adds them): FSDP's parser does not know them."""
