@@ -20,6 +20,7 @@ import torch
 import utils
 from extras import checks, stalls
 from extras.metrics import Meter
+import smallest_copy as smallest
 from processes import (
     OFFLINE,
     PYTHON,
@@ -728,58 +729,23 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
 
 
 # The smallest copy that trains a user's project: a script, the core and the extras its top imports (these, and
-# accumulation's batches), run with the flags that leave out the two extras on by default (the watchdog, each
-# sample's seeds); the blocks that the machine enters without a flag deleted with their extras' files: the run's
-# picture (always), the live line (a terminal), MFU's peaks and DataLoader workers (a GPU), the torchrun agent's
-# store (torchrun). Every other extra's block is entered by a flag or a plug point's return.
+# accumulation's batches), the blocks that a run enters unasked deleted with their extras' files
+# (tools/smallest_copy.py): the run's picture (always), the live line (a terminal), MFU's peaks and DataLoader
+# workers (a GPU), the torchrun agent's store (torchrun), and the two extras on by default, the watchdog and each
+# sample's seeds. Every other extra's block is entered by a flag or a plug point's return. Kept, the blocks of the
+# two on by default are left out by SMALLEST_FLAGS.
 SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
 SMALLEST_FLAGS = ("--no-watchdog", "--no-sample-seeds")
-BLOCKS_DELETED = ("curves", "live", "peaks", "workers", "elastic")
 
 
-def delete_blocks(script: Path, extra: str) -> None:
-    """Each if-block of script whose body imports extra, deleted with the comment lines above it, as a user deletes
-    it (an else that imports it, a path the block's if does not take, stays)."""
-    while True:
-        lines = script.read_text().splitlines(keepends=True)
-        block = next(
-            (
-                node
-                for node in ast.walk(ast.parse("".join(lines)))
-                if isinstance(node, ast.If)
-                and any(
-                    isinstance(inner, ast.ImportFrom)
-                    and inner.module == "extras"
-                    and [a.name for a in inner.names] == [extra]
-                    for inner in node.body
-                )
-            ),
-            None,
-        )
-        if block is None:
-            return
-        first = block.lineno - 1
-        while lines[first - 1].strip().startswith("#"):
-            first -= 1
-        script.write_text("".join(lines[:first] + lines[block.end_lineno :]))
-
-
-def smallest_copy(script: str, directory: Path, yours: str) -> Path:
-    """script copied as the smallest copy of it that trains yours: BLOCKS_DELETED's blocks deleted, and every extra
+def smallest_copy(
+    script: str, directory: Path, yours: str | None, deleted: tuple[str, ...] = smallest.MACHINE
+) -> Path:
+    """script copied with yours as its smallest copy (tools/smallest_copy.py's): the blocks of the extras deleted
+    deleted (by default those the machine enters: its two on by default left to SMALLEST_FLAGS), and every extra
     its top does not import."""
-    copy = copy_with_your_functions(script, directory, yours)
-    for extra in BLOCKS_DELETED:
-        delete_blocks(copy, extra)
-    top = {
-        alias.name
-        for node in ast.parse(copy.read_text()).body
-        if isinstance(node, ast.ImportFrom) and node.module == "extras"
-        for alias in node.names
-    }
-    assert top <= SMALLEST_COPY | {"batches"}, top
-    for path in (directory / "extras").glob("*.py"):
-        if path.stem not in top | {"__init__"}:
-            path.unlink()
+    copy = smallest.shrink(copy_with_your_functions(script, directory, yours), deleted)
+    assert smallest.top_extras(copy) <= SMALLEST_COPY | {"batches"}
     return copy
 
 
@@ -793,17 +759,17 @@ def smallest_copy(script: str, directory: Path, yours: str) -> Path:
 )
 def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
     """A user deletes an extra by deleting its file and its blocks: a script, utils.py and the extras its top
-    imports, with the blocks the machine enters without a flag deleted (BLOCKS_DELETED) and every other extra's file
+    imports, with the blocks the machine enters without a flag deleted (smallest.MACHINE) and every other extra's file
     (their blocks not entered by these flags, SMALLEST_FLAGS leaving out the watchdog's and the seeds'), train the user's own classification on 2 processes (dataparallel.py:
     1) to the weights of the whole copy bit for bit, and to its records' losses, accuracies, learning rates and
     validation samples; it writes no curves.svg. distributed.py's, launched by a real torchrun, holds the statements
     the README says; a flag whose extra it lacks (--phases) ends every rank with one line naming the file and the
     script's line that imports it."""
     whole = copy_with_your_functions(script, tmp_path / "whole", YOUR_CLASSIFICATION)
-    smallest = smallest_copy(script, tmp_path / "smallest", YOUR_CLASSIFICATION)
+    least = smallest_copy(script, tmp_path / "smallest", YOUR_CLASSIFICATION)
     imported = {
         alias.name
-        for node in ast.walk(ast.parse(smallest.read_text()))
+        for node in ast.walk(ast.parse(least.read_text()))
         if isinstance(node, ast.ImportFrom) and node.module == "extras"
         for alias in node.names
     }
@@ -822,7 +788,7 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
                 ),
                 {},
             )
-            for copy, flags in ((whole, ()), (smallest, SMALLEST_FLAGS))
+            for copy, flags in ((whole, ()), (least, SMALLEST_FLAGS))
         ]
     )
     out, reference = tmp_path / "smallest-out", tmp_path / "whole-out"
@@ -834,16 +800,19 @@ def test_the_smallest_copy_trains_what_the_whole_copy_does(script, tmp_path):
     assert metrics(out)[-1]["val_images"] == 203 and metrics(out)[-1]["val_acc"] > 0.9
     assert (reference / "curves.svg").exists() and not (out / "curves.svg").exists()
     if script == "distributed.py":
-        counted = smallest_copy(script, tmp_path / "counted", None)  # its own plug points
+        # tools/smallest_copy.py's copy, its own plug points
+        counted = smallest_copy(
+            script, tmp_path / "counted", None, smallest.MACHINE + smallest.ON_BY_DEFAULT
+        )
         copied = [counted, ROOT / "utils.py", *(counted.parent / "extras").glob("*.py")]
         said = re.search(
-            r"train your project: ([\d,]+) statements", (ROOT / "README.md").read_text()
+            r"a run enters unasked: ([\d,]+) statements", (ROOT / "README.md").read_text()
         )
         assert sum(statements(path) for path in copied) == int(said[1].replace(",", "")), said[0]
         # a flag whose extra this copy lacks: one line naming the file and the block's line
         refused = run(
             launch(
-                smallest,
+                least,
                 2,
                 *COMMON,
                 *SMALLEST_FLAGS,
@@ -886,17 +855,38 @@ if "ENDS" in os.environ:
 
 @pytest.mark.real_launch
 def test_the_smallest_copy_keeps_the_cores_guarantees(tmp_path):
-    """The smallest copy of distributed.py (as above: the script, utils.py and the extras its top imports, run with
-    SMALLEST_FLAGS), with the user's own data, model and loss, under a real torchrun: 2 x 16 trains what 1 x 32 does (1e-5); SIGTERM to rank 1
+    """The smallest copy of distributed.py as tools/smallest_copy.py writes it (the script, utils.py and the extras
+    its top imports, the watchdog's and the seeds' blocks deleted too: no flag), with the user's own data, model and
+    loss, under a real torchrun: 2 x 16 trains what 1 x 32 does (1e-5); SIGTERM to rank 1
     mid-epoch and the same command again equal the straight run (1e-6, the weights and steps.jsonl's losses,
     accuracies and learning rates); every validation sample counted once (203 of them); the user's atexit handler
     runs on every rank; an error of the user's own in rank 1's build_datasets ends both ranks within seconds (the
     core says it once, as it is; torchrun's agent ends the other rank), not zero. Its data draws nothing at random:
     what --no-sample-seeds gives up, a random transform drawn alike on any number of processes and in a continued
     run, is extras/seeds.py's (tests/test_randomness.py)."""
-    script = smallest_copy("distributed.py", tmp_path / "copy", YOUR_CLASSIFICATION_TRIED)
+    script = smallest_copy(
+        "distributed.py",
+        tmp_path / "copy",
+        YOUR_CLASSIFICATION_TRIED,
+        smallest.MACHINE + smallest.ON_BY_DEFAULT,
+    )
     assert {path.stem for path in (script.parent / "extras").glob("*.py")} == SMALLEST_COPY
-    common = [*COMMON, *SMALLEST_FLAGS]
+    # the same as the tool writes it, as a user runs it (its own plug points replaced by yours)
+    run(
+        [PYTHON, ROOT / "tools" / "smallest_copy.py", "distributed.py", tmp_path / "written"],
+        cwd=tmp_path,
+    )
+    written = sorted(
+        str(path.relative_to(tmp_path / "written")) for path in (tmp_path / "written").rglob("*.py")
+    )
+    assert written == sorted(
+        ["distributed.py", "utils.py", *(f"extras/{name}.py" for name in SMALLEST_COPY)]
+    )
+    own = smallest_copy(
+        "distributed.py", tmp_path / "own", None, smallest.MACHINE + smallest.ON_BY_DEFAULT
+    )
+    assert (tmp_path / "written" / "distributed.py").read_text() == own.read_text()
+    common = COMMON  # no flag: the blocks of the two extras on by default are deleted
     two, one, stopped, ends = (tmp_path / name for name in ("two", "one", "stopped", "ends"))
     ends.mkdir()
     results = run_parallel(
