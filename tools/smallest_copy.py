@@ -67,7 +67,7 @@ def shrink(script: Path, deleted: tuple[str, ...] = MACHINE + ON_BY_DEFAULT) -> 
     script."""
     for extra in deleted:
         delete_blocks(script, extra)
-    # a stream's samples seeded by the seeds' extra where its block is kept
+    # a stream's seeding is the seeds' extra's, named outside its block: none where the block goes
     if "seeds" in deleted:
         source = script.read_text()
         seeded = "seeded=None if args.no_sample_seeds else seeds.sample_streams"
@@ -87,18 +87,21 @@ def main() -> None:
     parser.add_argument("destination", type=Path, help="the folder to write it into (made)")
     args = parser.parse_args()
     source = ROOT / Path(args.script).name
-    if not source.exists():
+    if not source.exists() or source.name == "utils.py":
         parser.error(f"{args.script}: not one of the scripts in {ROOT}")
+    # nothing of the folder's own is written over (a project's own utils.py: README.md's rename)
     destination = args.destination
-    if (destination / source.name).exists() or (destination / "extras").exists():
-        parser.error(f"{destination} holds {source.name} or extras/ already: choose a new folder")
-    (destination / "extras").mkdir(parents=True, exist_ok=True)
+    there = [name for name in (source.name, "utils.py", "extras") if (destination / name).exists()]
+    if there:
+        parser.error(f"{destination} holds {', '.join(there)} already: choose a new folder")
+    (destination / "extras").mkdir(parents=True)
     shutil.copy(source, destination)
     shutil.copy(ROOT / "utils.py", destination)
     for path in (ROOT / "extras").glob("*.py"):
         shutil.copy(path, destination / "extras")
     shrink(destination / source.name)
-    written = sorted(str(path.relative_to(destination)) for path in destination.rglob("*.py"))
+    extras = sorted(f"extras/{path.name}" for path in (destination / "extras").glob("*.py"))
+    written = [source.name, "utils.py", *extras]
     print(
         f"wrote {', '.join(written)} into {destination}: replace the four plug points at the top of"
         f" {source.name} with yours (its own read the demo data of extras/builtin.py, left out)"
