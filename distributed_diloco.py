@@ -530,10 +530,8 @@ def validate(run: Training, epoch: int, step: int) -> dict:
     step they are of, recorded; --keep-best: those weights in model_best.pt where they are the best
     so far. Every rank calls it."""
     with run.diloco.synchronised():
-        validation = dict(
-            **(evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)),
-            val_weights_step=run.diloco.at,
-        )
+        validation = evaluate(run) if run.ema is None else run.ema.evaluated(evaluate, run)
+        validation["val_weights_step"] = run.diloco.at
         if run.recorder.new_best(validation):
             save_best(run)
     run.recorder.add(epoch, step, validation)

@@ -62,9 +62,9 @@ def top_extras(script: Path) -> set[str]:
 
 
 def shrink(script: Path, deleted: tuple[str, ...] = MACHINE + ON_BY_DEFAULT) -> Path:
-    """script, in a folder with utils.py and extras/, made its smallest copy: the blocks of the
-    extras deleted deleted, and every extra file its top does not import left out. Returns
-    script."""
+    """script, in a folder with utils.py and extras/, made its smallest copy: the blocks of each
+    extra named in `deleted` removed, and every extra file its top does not import left out.
+    Returns script."""
     for extra in deleted:
         delete_blocks(script, extra)
     # a stream's seeding is the seeds' extra's, named outside its block: none where the block goes
