@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import random
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +34,7 @@ from extras import (
     checks,
     metrics,
 )
-from utils import UsageError, log
+from utils import log
 
 # ---- your data, model and task: replace these four bodies (and the three after them when your
 # project samples, measures or uses a frozen model in its own way), and the steps if you like ----
@@ -140,138 +139,20 @@ def eval_step(run: Training, model: nn.Module, inputs, targets) -> tuple:
     return compute_loss(outputs, targets), outputs
 
 
-def train_step_over_whole_batch(run: Training, micro_batches) -> dict:
-    """train_step for a loss over the whole batch (compute_loss calls batches.whole_batch), which
-    needs all of the step's outputs at once, as GradCache and open_clip's --accum-freq compute it:
-    each micro-batch's forward without gradients, the loss over the whole step and its gradient at
-    the outputs, then each micro-batch's forward again (drawing what it drew: dropout) and its
-    backward from its rows of that gradient. K micro-batches train what one batch K times larger
-    does, with one micro-batch's activations in memory, for a second forward's time."""
-    model, optimizer = run.model, run.optimizer
-    optimizer.zero_grad(set_to_none=True)
-    micro_batches = list(micro_batches)  # the step's inputs, for the second forward
-    samples = [n for _, _, n in micro_batches]
-    parts, draws = [], []
-    # the outputs without gradients; batch-norm statistics move in the second forward only
-    with torch.no_grad(), checks.statistics_kept(model):
-        for inputs, _, _ in micro_batches:
-            draws.append(model_streams())
-            parts.append(utils.forward(model, inputs))
-    targets = Joined([targets for _, targets, _ in micro_batches], samples).whole
-    outputs = Joined(parts, samples, grad=True)
-    # the loss over all ranks' whole step (whole_batch's all-gathers), its gradient at the outputs
-    loss = compute_loss(outputs.whole, targets)
-    items = run.backward(loss, sum(samples))
-    run.recorder.meter.update(loss, outputs.whole, targets, sum(samples))
-    for i, (inputs, _, _) in enumerate(micro_batches):
-        # DDP all-reduces in the last micro-batch's backward only
-        with nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
-            draw_again(draws[i])
-            outputs.backward(i, utils.forward(model, inputs))
-    if not isinstance(loss, torch.Tensor):
-        divide_by_items(model, items, run.samples[1])
-    grad_norm = None
-    if run.args.clip_grad:
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), run.args.clip_grad)
-    optimizer.step()
-    run.scheduler.step()
-    return dict(grad_norm=grad_norm)
+# ---- the approach ----
 
 
 @torch.no_grad()
 def divide_by_items(model: nn.Module, items, step_samples: int) -> None:
     """The gradients of the loss sums divided by the samples of the step (DDP averaged the ranks')
     made those of the sum divided by the items of all ranks and micro-batches: one small
-    all-reduce of the count.
-    """
+    all-reduce of the count."""
     items = utils.count_to_device(items, next(model.parameters()).device)
     dist.all_reduce(items)
     factor = (step_samples / items.clamp(min=1)).float()
     for p in model.parameters():
         if p.grad is not None:
             p.grad.mul_(factor)
-
-
-class Joined:
-    """A step's micro-batches' outputs (or targets) as one batch's, .whole, for a loss over the
-    whole step (GradCache; open_clip's --accum-freq): a tensor of a row per sample concatenated,
-    any other (a learned temperature) the first micro-batch's, which must be each one's. grad: each
-    floating-point tensor a leaf that the loss's backward leaves its gradient at, which
-    backward(i, outputs) sends back through micro-batch i's outputs computed again. The other
-    tensors are compared in the run's first step only (a GPU value read back), whose outputs are
-    made as every step's are."""
-
-    compared = False  # the first step's outputs (grad) were compared
-
-    def __init__(self, parts: list, samples: list[int], grad: bool = False):
-        self.samples = samples
-        flat = [utils.tree_flatten(part) for part in parts]
-        if any(spec != flat[0][1] for _, spec in flat):
-            raise UsageError("the micro-batches' outputs differ in structure: they cannot join")
-        self.leaves, self.per_sample = [], []
-        for tensors in zip(*[leaves for leaves, _ in flat]):
-            whole = tensors[0]
-            per_sample = all(
-                isinstance(t, torch.Tensor) and t.dim() > 0 and len(t) == n
-                for t, n in zip(tensors, samples)
-            )
-            if per_sample:
-                whole = torch.cat(tensors)
-            elif (
-                not Joined.compared
-                and isinstance(whole, torch.Tensor)
-                and any(not whole.equal(t) for t in tensors)
-            ):
-                raise UsageError(
-                    f"a {tuple(whole.shape)} tensor of the outputs is neither a row per sample nor"
-                    " the same in every micro-batch: a loss over the whole step cannot join it"
-                )
-            if grad and isinstance(whole, torch.Tensor):
-                whole = whole.detach().requires_grad_(whole.is_floating_point())
-            self.leaves.append(whole)
-            self.per_sample.append(per_sample)
-        self.whole = utils.tree_unflatten(self.leaves, flat[0][1])
-        Joined.compared = Joined.compared or grad
-
-    def backward(self, i: int, outputs) -> None:
-        """Micro-batch i's backward from its rows of the gradient at .whole (from the other
-        tensors' whole gradient in the last micro-batch, whose backward DDP all-reduces in)."""
-        start = sum(self.samples[:i])
-        last = i == len(self.samples) - 1
-        tensors, grads = [], []
-        for again, whole, per_sample in zip(
-            utils.tree_flatten(outputs)[0], self.leaves, self.per_sample
-        ):
-            if not isinstance(whole, torch.Tensor) or whole.grad is None:
-                continue
-            if per_sample:
-                tensors.append(again)
-                grads.append(whole.grad[start : start + self.samples[i]])
-            elif last:
-                tensors.append(again)
-                grads.append(whole.grad)
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-
-
-def model_streams() -> tuple:
-    """Where the model's next draws (dropout) come from: torch's streams on the CPU and the GPUs,
-    and Python's; draw_again(state) sets them back there, so that a forward run again draws what it
-    drew. No GPU work: a generator's state is kept on the host."""
-    gpus = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), gpus, random.getstate()
-
-
-def draw_again(state: tuple) -> None:
-    """The random streams set back to model_streams()'s state."""
-    cpu, gpus, python = state
-    torch.set_rng_state(cpu)
-    if gpus is not None:
-        torch.cuda.set_rng_state_all(gpus)
-    random.setstate(python)
-
-
-# ---- the approach ----
 
 
 def parse_args():
@@ -294,8 +175,12 @@ def parse_args():
         help="all-reduce after every micro-batch, as without no_sync (slower; to compare)",
     )
     args = utils.check_args(parser.parse_args())
-    if args.accum_steps < 1:
-        parser.error("--accum-steps must be at least 1")
+    # K micro-batches of batch / K
+    if args.accum_steps < 1 or args.batch_size % args.accum_steps:
+        parser.error(
+            f"--batch-size {args.batch_size} does not split into {args.accum_steps} micro-batches:"
+            " use a multiple of --accum-steps (at least 1)"
+        )
     return args
 
 
@@ -479,7 +364,7 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
-    whole_batch: bool = False  # compute_loss calls batches.whole_batch: train_step_over_whole_batch
+    whole_batch: bool = False  # compute_loss calls batches.whole_batch: its own train step
     samples: tuple[int | None, int] = (None, 0)  # the step's: all ranks' in [1]
 
     def backward(self, loss, samples: int) -> torch.Tensor | int:
@@ -508,8 +393,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     meter = recorder.meter_for_epoch(run.device, steps_done)
     # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
     # stops all after the same one; --steps-per-epoch may cut an epoch
-    batches = zip(*[meter.timed(loader)] * args.accum_steps)  # K micro-batches a step
-    for step, batch in run.stop.steps(batches, steps_done, recorder.steps_per_epoch):
+    grouped = zip(*[meter.timed(loader)] * args.accum_steps)  # K micro-batches a step
+    for step, batch in run.stop.steps(grouped, steps_done, recorder.steps_per_epoch):
         recorder.phases.new_step()  # its first optimizer step counts it, once
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
         # step), as one process draws its own for each sample
@@ -521,7 +406,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         micro_batches = micro_batches_on_device(run, loader, batch, epoch, step)
         # a loss over the whole batch needs every micro-batch's outputs before the first backward
         if run.whole_batch:
-            result = train_step_over_whole_batch(run, micro_batches)
+            result = batches.train_step_over_whole_batch(run, micro_batches, compute_loss)
         else:
             result = train_step(run, micro_batches)
         if run.ema is not None:  # --ema: the average moves toward the new weights
@@ -681,19 +566,14 @@ def main(teardown: ExitStack) -> None:
     # rank 0's checkpoints written by a thread while training goes on: a failed write ends
     # every rank at the next step; the run ends once they are written
     saves = teardown.enter_context(checkpoints.Saves(stop))
-    # K micro-batches of batch / K, each split over the ranks: equal parts, or within one sample
-    if args.batch_size % args.accum_steps:
-        raise UsageError(
-            f"--batch-size {args.batch_size} does not split into {args.accum_steps} micro-batches:"
-            f" use a multiple of --accum-steps"
-        )
+    # each rank's part of every micro-batch (K of batch / K a step): equal, or within one sample
     micro_batch = args.batch_size // args.accum_steps
     split = utils.split_batch(micro_batch, world_size, f"{world_size} processes")
     batch_per_rank = utils.share(micro_batch, rank, world_size)
     log.info(
-        f"world size {world_size}, backend {dist.get_backend()}, device {device}, "
-        f"batch {args.batch_size} = {args.accum_steps} micro-batches of {split}, "
-        f"{args.optimizer} peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
+        f"world size {world_size}, backend {dist.get_backend()}, device {device}, batch"
+        f" {args.batch_size} = {args.accum_steps} micro-batches of {split}, {args.optimizer}"
+        f" peak lr {args.lr:.4g}, weight decay {args.weight_decay:g}"
     )
 
     # cuDNN times its kernels once an input shape and keeps the fastest (inputs of many shapes:
@@ -704,8 +584,7 @@ def main(teardown: ExitStack) -> None:
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
-    # full batches of K micro-batches, cut at --steps-per-epoch (which a stream without __len__
-    # needs)
+    # full steps of K micro-batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args, args.accum_steps)
     model = checks.returned_model(build_model(args, num_classes))
     # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer

@@ -282,7 +282,8 @@ def test_a_batch_smaller_than_the_world_or_than_its_micro_batches_ends_in_one_li
     for result, line in (
         (
             uneven,
-            "error: --batch-size 32 does not split into 3 micro-batches: use a multiple of --accum-steps",
+            "error: --batch-size 32 does not split into 3 micro-batches: use a multiple of --accum-steps (at least 1)"
+            " (see distributed_grad_accum.py --help)",
         ),
         (minutes, "error: --timeout, --clip-grad, --save-minutes and --peak-tflops must be > 0"),
     ):
