@@ -365,7 +365,7 @@ class Training:
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     whole_batch: bool = False  # compute_loss calls batches.whole_batch: its own train step
-    samples: tuple[int | None, int] = (None, 0)  # the step's: all ranks' in [1]
+    samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss, samples: int) -> torch.Tensor | int:
         """loss.backward() of a micro-batch: compute_loss's mean weighted by the micro-batch's part
@@ -399,10 +399,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
         # step), as one process draws its own for each sample
         utils.seed_step(args.seed, epoch, step)
-        # all ranks' samples (--batch-size, or your sampler's): run.backward() weights each
-        # micro-batch's loss by its part of them
-        run.samples = (None, utils.samples_in_step(run.train_loader.sampler, step, args.batch_size))
         samples = sum(n for n, _ in batch)
+        # this rank's samples and all ranks' (--batch-size, or your sampler's): run.backward()
+        # weights the loss by them
+        step_samples = utils.samples_in_step(run.train_loader.sampler, step, args.batch_size)
+        run.samples = (samples, step_samples)
+        # on the device as each comes; its random draws keyed by (epoch, micro-step)
         micro_batches = micro_batches_on_device(run, loader, batch, epoch, step)
         # a loss over the whole batch needs every micro-batch's outputs before the first backward
         if run.whole_batch:
@@ -440,8 +442,7 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
 
 
 def micro_batches_on_device(run: Training, loader: DataLoader, batch: tuple, epoch: int, step: int):
-    """The step's micro-batches, each (inputs, targets, samples) on the device as it comes, its
-    random draws keyed by (epoch, micro-step)."""
+    """The step's micro-batches, each (inputs, targets, samples) on the device as it comes."""
     first = (step - 1) * run.args.accum_steps + 1
     for micro_step, (samples, micro_batch) in enumerate(batch, first):
         run.watchdog.batch(epoch, micro_step)  # progress, a micro-batch

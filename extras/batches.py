@@ -113,8 +113,8 @@ def train_step_over_whole_batch(run, micro_batches, compute_loss) -> dict:
     # outputs, weighted by this rank's part of the step as any loss (a (sum, count): by all ranks'
     # count).
     loss = compute_loss(outputs.whole, targets)
-    loss_for_backward(loss, sum(samples), run.samples[1]).backward()
-    run.recorder.meter.update(loss, outputs.whole, targets, sum(samples))
+    loss_for_backward(loss, *run.samples).backward()
+    run.recorder.meter.update(loss, outputs.whole, targets, run.samples[0])
     for i, (inputs, _, _) in enumerate(micro_batches):
         # DDP all-reduces in the last micro-batch's backward only
         with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
