@@ -364,7 +364,7 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
-    whole_batch: bool = False  # compute_loss calls batches.whole_batch: its own train step
+    whole_batch: bool = False  # compute_loss calls batches.whole_batch: GradCache's step
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
 
     def backward(self, loss, samples: int) -> torch.Tensor | int:
@@ -408,7 +408,9 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         micro_batches = micro_batches_on_device(run, loader, batch, epoch, step)
         # a loss over the whole batch needs every micro-batch's outputs before the first backward
         if run.whole_batch:
-            result = batches.train_step_over_whole_batch(run, micro_batches, compute_loss)
+            from extras import gradcache
+
+            result = gradcache.train_step(run, micro_batches, compute_loss)
         else:
             result = train_step(run, micro_batches)
         if run.ema is not None:  # --ema: the average moves toward the new weights

@@ -13,8 +13,9 @@ warnings filter). In the order a reader of distributed.py meets them:
 - samplers: a project's own sampler (build_sampler) drawn whole on every rank from (seed, epoch)
   as one process draws it, each rank its share of every global batch; validation's shares;
 - streams: a stream (an IterableDataset) read as global batches, each sample once;
-- batches: a loss over the whole global batch (whole_batch), exact on any number of processes, and
-  accumulation's step for it (train_step_over_whole_batch, GradCache's);
+- batches: a loss over the whole global batch (whole_batch), exact on any number of processes;
+- gradcache: accumulation's step for a loss over the whole batch (GradCache's), all of a step's
+  micro-batches' outputs at once;
 - checks: one line before training for what would fail (the start-up step);
 - batch_norm: --sync-bn on CPU processes, batch-norm statistics of the global batch over gloo;
 - together: models trained together (a GAN's), each its own DDP, optimizer and schedule;

@@ -1,7 +1,6 @@
 """Batch norm over the global batch on CPU processes (--sync-bn on gloo): PyTorch's SyncBatchNorm
 has no CPU kernel, so there each batch-norm layer becomes a GlobalBatchNorm, whose batch mean and
-variance are all-reduced over the ranks with their gradients, for any part sizes; statistics_kept
-puts a model's back after a forward that must not move them."""
+variance are all-reduced over the ranks with their gradients, for any part sizes."""
 
 from __future__ import annotations
 

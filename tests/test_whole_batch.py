@@ -67,6 +67,8 @@ def compute_loss(outputs, targets):
     if LOSS == "clip":  # CLIP's symmetric loss, its temperature learned
         logits = logit_scale.exp() * a @ b.T
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    if LOSS == "sum":  # InfoNCE as a (sum, count): the whole batch's on every rank
+        return F.cross_entropy(a @ b.T / 0.1, labels, reduction="sum"), len(a)
     return F.cross_entropy(a @ b.T / 0.1, labels)
 
 
@@ -227,15 +229,15 @@ def test_what_the_split_changes_is_said_in_one_line_at_the_start_on_2_processes(
 def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_times_larger_does(
     tmp_path,
 ):
-    """distributed_grad_accum.py, InfoNCE over batches.whole_batch, batch 64: --accum-steps 4 (each micro-batch's
-    forward without gradients, the loss over the whole step, then each forward again and its rows of the loss's
-    gradient) on 1 and on 2 processes trains the weights of --accum-steps 1 (1e-5) and records its train_loss; so
-    does CLIP (with SGD), whose learned temperature is in every micro-batch's outputs and gets its gradient once;
-    2 processes validate what 1 does; the
-    second forward draws what the first drew."""
+    """distributed_grad_accum.py, InfoNCE over batches.whole_batch, batch 64: --accum-steps 4 (extras/gradcache.py:
+    each micro-batch's forward without gradients, the loss over the whole step, then each forward again and its rows
+    of the loss's gradient) on 1 and on 2 processes trains the weights of --accum-steps 1 (1e-5) and records its
+    train_loss; so does InfoNCE as a (sum, count) on 3 processes (micro-batches of 6 + 5 + 5), and CLIP (with SGD)
+    on 3, whose learned temperature is in every micro-batch's outputs and gets its gradient once; 2 processes
+    validate what 1 does; the second forward draws what the first drew."""
     scripts = {
         loss: copy_with_your_functions("distributed_grad_accum.py", tmp_path / loss, yours(loss))
-        for loss in ("infonce", "clip")
+        for loss in ("infonce", "clip", "sum")
     }
     # the model's draws, in order, each with whether gradients were on
     drawing = yours("infonce").replace(
@@ -252,7 +254,8 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
         "infonce 1 x 4": ("infonce", 1, 4),
         "infonce 2 x 4": ("infonce", 2, 4),
         "clip 1 x 1": ("clip", 1, 1),
-        "clip 2 x 4": ("clip", 2, 4),
+        "clip 3 x 4": ("clip", 3, 4),
+        "sum 3 x 4": ("sum", 3, 4),
         "draws": ("draws", 1, 4),
     }
     draws = tmp_path / "draws.txt"
@@ -270,9 +273,11 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
     for command in commands[3:5]:  # SGD: a temperature's gradient taken K times would show
         command[0].extend(["--optimizer", "sgd", "--lr", "0.01"])
     run_parallel(commands)
+    # each against its loss's --accum-steps 1 on 1 process (InfoNCE's, for its (sum, count))
+    baseline = {name: f"{name.split()[0]} 1 x 1".replace("sum", "infonce") for name in runs}
     differences = {
-        name: max_weight_difference(tmp_path / name, tmp_path / f"{name.split()[0]} 1 x 1")
-        for name in ("infonce 1 x 4", "infonce 2 x 4", "clip 2 x 4")
+        name: max_weight_difference(tmp_path / name, tmp_path / baseline[name])
+        for name in ("infonce 1 x 4", "infonce 2 x 4", "clip 3 x 4", "sum 3 x 4")
     }
     train = {
         name: [r["train_loss"] for r in steps(tmp_path / name) if "train_loss" in r]
@@ -282,10 +287,7 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
     print(f"--accum-steps 4 against 1: weights {differences}, val_loss {val}")
     assert max(differences.values()) <= 1e-5, differences
     for name in differences:
-        assert train[name] == pytest.approx(train[f"{name.split()[0]} 1 x 1"], abs=1e-5), (
-            name,
-            train,
-        )
+        assert train[name] == pytest.approx(train[baseline[name]], abs=1e-5), (name, train)
     assert val["infonce 2 x 4"] == pytest.approx(val["infonce 1 x 4"], abs=1e-6), val
     assert val["infonce 1 x 4"][-1] < val["infonce 1 x 4"][0], val
     # each step: 4 forwards without gradients, then 4 with, drawing the same 4 numbers

@@ -637,7 +637,7 @@ SCRIPT_LINES = {
     "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6,
     "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 79,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77,
     "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4,
     "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1,
 }
@@ -667,8 +667,9 @@ SCRIPT_LINES = {
 # spare validation batch's first_samples extras/checks.py's, and contextlib no longer imported there (1).
 # DiLoCo's validation record in two plain lines, not a dict(**...) of a conditional (1).
 # Accumulation's GradCache step (train_step_over_whole_batch, Joined, model_streams, draw_again) moved into
-# extras/batches.py, the whole batch's extra, which the issue on the minimal copy names; a batch that does not split
-# into --accum-steps said by parse_args, the step's samples named as distributed.py names them (79 fewer in all).
+# extras/gradcache.py, an extra of its own, as the issue on the minimal copy names the whole batch's; a batch that
+# does not split into --accum-steps said by parse_args, the step's samples named as distributed.py names them, the
+# extra imported in the block that steps with it (77 fewer in all).
 
 
 def statements(path: Path) -> int:
@@ -710,16 +711,17 @@ EXTRAS_AT_THE_TOP = {
 # loaders' generator made in the scripts, not extras/seeds.py, -2; together's one marker 2: 13 in all); FSDP's
 # write_error, which makes room for them in distributed_fsdp.py, in extras/checkpoints.py (7), and first_failure, a
 # sharded load's error as its first rank's (dcp's, a BaseException, had escaped FSDP's `except Exception`: 3).
-# Accumulation's GradCache step in extras/batches.py (73: its train_step_over_whole_batch, Joined and the model's
-# random streams, the buffers kept inline and the loss weighted by utils.loss_for_backward), out of the script: the
-# whole batch an extra, as the issue names it, and accumulation's diff from distributed.py 187 lines, not 321.
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73
+# Accumulation's GradCache step an extra of its own, extras/gradcache.py (74: its train_step, Joined and the model's
+# random streams, the buffers kept inline and the loss weighted by utils.loss_for_backward), out of the script, whose
+# diff from distributed.py is 189 lines, not 321; a contrastive loss without accumulation copies extras/batches.py
+# alone.
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 74
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds
 # AMP's, mp.spawn's and accumulation's by 100 each; accumulation's (its micro-batch loop and a (sum, count) loss
-# divided once; GradCache's step now extras/batches.py's) is a ratchet still over it.
-DIFF_LINES = {"distributed_amp.py": 100, "distributed_mp.py": 100, "distributed_grad_accum.py": 187}
+# divided once; GradCache's step now extras/gradcache.py's) is a ratchet still over it.
+DIFF_LINES = {"distributed_amp.py": 100, "distributed_mp.py": 100, "distributed_grad_accum.py": 189}
 
 
 @pytest.mark.skipif(shutil.which("diff") is None, reason="needs diff")

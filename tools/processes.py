@@ -496,7 +496,14 @@ SUBNET = "10.231.7"  # private addresses that exist only inside these namespaces
 
 
 def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+    """iproute2's command, tried three times (two namespaces added at once, by two tests, can race on
+    /run/netns), and its own error said where it fails."""
+    for _ in range(3):
+        result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if result.returncode == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
 
 
 def can_make_hosts() -> bool:  # network namespaces need root and iproute2
