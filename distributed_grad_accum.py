@@ -172,7 +172,8 @@ def parse_args():
     parser.add_argument(
         "--sync-every-micro-batch",
         action="store_true",
-        help="all-reduce after every micro-batch, as without no_sync (slower; to compare)",
+        help="all-reduce after every micro-batch, as without no_sync (slower; to compare; not in"
+        " GradCache's step for a loss over the whole batch)",
     )
     args = utils.check_args(parser.parse_args())
     # K micro-batches of batch / K

@@ -46,7 +46,8 @@ def whole_batch(part: torch.Tensor) -> torch.Tensor:
     embeddings, say): every rank's part, rank 0's first, of any sizes (a rank with none too), and
     the gradient back to each rank's own. A loss of it is the whole batch's, the same on every rank
     (a contrastive loss's negatives: all of the batch), and run.backward() makes the gradient one
-    process's. On one process: part itself. Every rank calls it, as often, in training and
+    process's; a (sum, count) of it counts the whole batch's items, the same on every rank. On one
+    process: part itself. Every rank calls it, as often, in training and
     validation (all-gathers)."""
     WholeBatch.calls += 1
     if not 1 <= part.dim() <= 10:

@@ -39,15 +39,16 @@ def train_step(run, micro_batches, compute_loss) -> dict:
     targets = Joined([targets for _, targets, _ in micro_batches], samples).whole
     outputs = Joined(parts, samples, grad=True)
     # The loss over all ranks' whole step (whole_batch's all-gathers), and its gradient at the
-    # outputs, weighted by this rank's part of the step as any loss (a (sum, count): by all ranks'
-    # count).
+    # outputs, weighted by this rank's part of the step as any loss. A (sum, count) is the whole
+    # step's on every rank, its count too (not this rank's part's), which the core all-reduces.
     loss = compute_loss(outputs.whole, targets)
     loss_for_backward(loss, *run.samples).backward()
     run.recorder.meter.update(loss, outputs.whole, targets, run.samples[0])
     for i, (inputs, _, _) in enumerate(micro_batches):
-        # DDP all-reduces in the last micro-batch's backward only (or in each: to compare)
-        synced = i == len(micro_batches) - 1 or run.args.sync_every_micro_batch
-        with contextlib.nullcontext() if synced else model.no_sync():
+        # DDP all-reduces in the last micro-batch's backward only, whatever
+        # --sync-every-micro-batch says: an output that is not a row per sample (CLIP's temperature)
+        # gets its gradient in that backward alone, and a synced one without it would not finish
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
             draw_again(draws[i])
             outputs.backward(i, forward(model, inputs))
     grad_norm = None

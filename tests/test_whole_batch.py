@@ -232,8 +232,8 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
     """distributed_grad_accum.py, InfoNCE over batches.whole_batch, batch 64: --accum-steps 4 (extras/gradcache.py:
     each micro-batch's forward without gradients, the loss over the whole step, then each forward again and its rows
     of the loss's gradient) on 1 and on 2 processes trains the weights of --accum-steps 1 (1e-5) and records its
-    train_loss; so does InfoNCE as a (sum, count) on 3 processes (micro-batches of 6 + 5 + 5), and CLIP (with SGD)
-    on 3, whose learned temperature is in every micro-batch's outputs and gets its gradient once; 2 processes
+    train_loss; so do CLIP on 3 processes (micro-batches of 6 + 5 + 5), whose learned temperature is in every
+    micro-batch's outputs and gets its gradient once, and InfoNCE as a (sum, count) on 3, each with SGD; 2 processes
     validate what 1 does; the second forward draws what the first drew."""
     scripts = {
         loss: copy_with_your_functions("distributed_grad_accum.py", tmp_path / loss, yours(loss))
@@ -255,6 +255,7 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
         "infonce 2 x 4": ("infonce", 2, 4),
         "clip 1 x 1": ("clip", 1, 1),
         "clip 3 x 4": ("clip", 3, 4),
+        "sgd 1 x 1": ("infonce", 1, 1),
         "sum 3 x 4": ("sum", 3, 4),
         "draws": ("draws", 1, 4),
     }
@@ -270,11 +271,13 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
         for name, (loss, n, k) in runs.items()
     ]
     commands[-1][0].extend(["--epochs", "1"])
-    for command in commands[3:5]:  # SGD: a temperature's gradient taken K times would show
+    # SGD: a temperature's gradient taken K times would show, and a (sum, count) divided by
+    # another count (AdamW's steps would not change with the gradient's scale)
+    for command in commands[3:7]:
         command[0].extend(["--optimizer", "sgd", "--lr", "0.01"])
     run_parallel(commands)
-    # each against its loss's --accum-steps 1 on 1 process (InfoNCE's, for its (sum, count))
-    baseline = {name: f"{name.split()[0]} 1 x 1".replace("sum", "infonce") for name in runs}
+    # each against its loss's --accum-steps 1 on 1 process (InfoNCE's with SGD, for its (sum, count))
+    baseline = {name: f"{name.split()[0]} 1 x 1".replace("sum", "sgd") for name in runs}
     differences = {
         name: max_weight_difference(tmp_path / name, tmp_path / baseline[name])
         for name in ("infonce 1 x 4", "infonce 2 x 4", "clip 3 x 4", "sum 3 x 4")
