@@ -496,8 +496,8 @@ SUBNET = "10.231.7"  # private addresses that exist only inside these namespaces
 
 
 def ip(*args: str) -> None:
-    """iproute2's command, tried three times (two namespaces added at once, by two tests, can race on
-    /run/netns), and its own error said where it fails."""
+    """iproute2's command, tried three times (two tests adding namespaces at once may race on
+    /run/netns), and its own error said where it still fails."""
     for _ in range(3):
         result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
         if result.returncode == 0:
