@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,6 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 import utils
 from extras import (
     checkpoints,
-    checks,
     metrics,
 )
 from utils import log
@@ -212,7 +212,6 @@ def build_loaders(
         )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
-    checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     # (extras/seeds.py; --no-sample-seeds leaves them to the DataLoader's own streams)
@@ -227,9 +226,24 @@ def build_loaders(
         seeded = dict(
             common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
         )
-    # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
-    # samples the workers collate (so they never read the stream, which cannot split itself twice)
-    if isinstance(train_set, IterableDataset):
+    if user_sampler is not None:
+        # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
+        # its share of every global batch, read as one batch, a sample drawn again in the epoch as
+        # its repeat (one line if its ranks would draw differently)
+        from extras import samplers
+
+        samplers.check_not_a_stream(user_sampler, train_set)  # one line for a stream
+        train_sampler = samplers.DrawnShares(
+            user_sampler, args.batch_size, rank, world_size, args.seed
+        )
+        train_sampler.check_drawn_alike()  # all-gather, every rank
+        train_loader = DataLoader(
+            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
+        )
+    elif isinstance(train_set, IterableDataset):
+        # a stream is read here (extras/streams.py): each rank its part of every global batch,
+        # lists of samples the workers collate (so they never read the stream, which cannot split
+        # itself twice)
         from extras import streams
 
         train_sampler = streams.StreamSampler(
@@ -241,19 +255,6 @@ def build_loaders(
             seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
-    elif user_sampler is not None:
-        # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
-        # its share of every global batch, read as one batch, a sample drawn again in the epoch as
-        # its repeat (one line if its ranks would draw differently)
-        from extras import samplers
-
-        train_sampler = samplers.DrawnShares(
-            user_sampler, args.batch_size, rank, world_size, args.seed
-        )
-        train_sampler.check_drawn_alike()  # all-gather, every rank
-        train_loader = DataLoader(
-            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
-        )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -480,7 +481,8 @@ def main(teardown: ExitStack) -> None:
     # before data and model: a bad path fails at once, on every rank
     with utils.errors_shared_by_all_ranks():
         if rank == 0:
-            checks.check_output_dir(output_dir)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=output_dir).close()  # it takes a file
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
     # it stops as main ends (extras/stalls.py; --no-watchdog leaves it out: then nobody watches)
     watchdog = utils.NoWatchdog()
@@ -517,22 +519,49 @@ def main(teardown: ExitStack) -> None:
     # a timing at each new one; False leaves it out)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)  # every rank's random streams alike (DDP sends rank 0's weights)
-    train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
+    datasets = build_datasets(args)
+    # the start-up checks, one line where training would trip: what the plug points returned, a
+    # step (extras/checks.py; --no-checks leaves them out)
+    if not args.no_checks:
+        from extras import checks
+
+        checks.returned_datasets(datasets)
+    train_set, val_set, num_classes = datasets
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    model = checks.returned_model(build_model(args, num_classes), together=True)
-    # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
-    # and every saved file
-    frozen = checks.frozen_models(build_frozen(args, num_classes), device)
+    model = build_model(args, num_classes)
+    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
+    frozen = build_frozen(args, num_classes)
+    # your metrics (build_metrics; its {}: none), over every validation sample once
+    # (extras/scores.py)
+    val_metrics = build_metrics(args, num_classes) or None
+    if val_metrics is not None:
+        from extras import scores
+
+        val_metrics = scores.UserMetrics(val_metrics, device)
+    # what build_model, build_frozen and build_metrics returned (--keep-best must name a value)
+    if not args.no_checks:
+        from extras import checks
+
+        checks.returned_model(model, together=True)
+        checks.frozen_models(frozen)
+        checks.check_keep_best(args, val_metrics, num_classes)
     # --channels-last: NHWC, what Tensor Core convolutions read
     model = model.to(device, memory_format=utils.memory_format(args))
-    # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions = checks.first_step_flops(
-        model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
-    )
+    for module in frozen.values():  # on the device, in eval mode, without gradients
+        module.to(device).eval().requires_grad_(False)
+    # one step's forward and backward, undone: one line for what training would trip on, and the
+    # FLOPs of a sample (without the checks, no TFLOP/s)
+    flops_per_sample, convolutions = None, 0.0
+    if not args.no_checks:
+        from extras import checks
+
+        flops_per_sample, convolutions = checks.first_step_flops(
+            model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
+        )
     # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
     # (PyTorch's SyncBatchNorm has no CPU kernel: on CPU processes the same statistics over gloo)
     if args.sync_bn and device.type == "cuda":
@@ -600,14 +629,6 @@ def main(teardown: ExitStack) -> None:
         )
     if live_line is not None:  # what it shows of training and validation
         live_line.show(recorder, val_loader)
-    # your metrics (build_metrics; its {}: none), over every validation sample once
-    # (extras/scores.py)
-    val_metrics = build_metrics(args, num_classes) or None
-    if val_metrics is not None:
-        from extras import scores
-
-        val_metrics = scores.UserMetrics(val_metrics, device)
-    checks.check_keep_best(args, val_metrics, num_classes)  # it must name a validation value
     run = Training(
         args=args,
         model=model,
@@ -660,7 +681,7 @@ def main(teardown: ExitStack) -> None:
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
         # the epoch's TFLOP/s, and its mfu where the GPUs' peak is known
-        tflops = flops_per_sample * record["images_per_s"] / 1e12
+        tflops = flops_per_sample * record["images_per_s"] / 1e12 if flops_per_sample else None
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -669,7 +690,7 @@ def main(teardown: ExitStack) -> None:
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
             tflops=tflops,
-            mfu=tflops / peak_tflops if peak_tflops else None,
+            mfu=tflops / peak_tflops if tflops and peak_tflops else None,
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never

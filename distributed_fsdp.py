@@ -21,6 +21,7 @@ import functools
 import os
 import shutil
 import sys
+import tempfile
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -50,7 +51,6 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, de
 import utils
 from extras import (
     checkpoints,
-    checks,
     metrics,
 )
 from utils import UsageError, log
@@ -258,7 +258,10 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             device_id=device if "nccl" in backend else None,
         )
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
-    if device.type == "cpu":
+    # (extras/checks.py; --no-checks leaves it out)
+    if device.type == "cpu" and not args.no_checks:
+        from extras import checks
+
         checks.check_gloo_averages(world_size)
     return rank, local_rank, world_size, device
 
@@ -289,7 +292,6 @@ def build_loaders(
         )
     # your sampler (build_sampler), or None: ours shuffles
     user_sampler = build_sampler(args, train_set)
-    checks.check_not_a_stream(user_sampler, train_set)
     # each sample's random transforms (yours too) drawn from (seed, epoch, index), a stream's
     # from its place in it: alike on any number of processes and workers, and when continued
     # (extras/seeds.py; --no-sample-seeds leaves them to the DataLoader's own streams)
@@ -304,9 +306,24 @@ def build_loaders(
         seeded = dict(
             common, collate_fn=seeds.SeededCollate(common["collate_fn"], train_set, args.seed, rank)
         )
-    # a stream is read here (extras/streams.py): each rank its part of every global batch, lists of
-    # samples the workers collate (so they never read the stream, which cannot split itself twice)
-    if isinstance(train_set, IterableDataset):
+    if user_sampler is not None:
+        # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
+        # its share of every global batch, read as one batch, a sample drawn again in the epoch as
+        # its repeat (one line if its ranks would draw differently)
+        from extras import samplers
+
+        samplers.check_not_a_stream(user_sampler, train_set)  # one line for a stream
+        train_sampler = samplers.DrawnShares(
+            user_sampler, args.batch_size, rank, world_size, args.seed
+        )
+        train_sampler.check_drawn_alike()  # all-gather, every rank
+        train_loader = DataLoader(
+            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
+        )
+    elif isinstance(train_set, IterableDataset):
+        # a stream is read here (extras/streams.py): each rank its part of every global batch,
+        # lists of samples the workers collate (so they never read the stream, which cannot split
+        # itself twice)
         from extras import streams
 
         train_sampler = streams.StreamSampler(
@@ -318,19 +335,6 @@ def build_loaders(
             seeded=None if args.no_sample_seeds else seeds.sample_streams,
         )
         train_loader = DataLoader(streams.Samples(), None, sampler=train_sampler, **common)
-    elif user_sampler is not None:
-        # yours, drawn whole on every rank from (seed, epoch) as one process draws it: each rank
-        # its share of every global batch, read as one batch, a sample drawn again in the epoch as
-        # its repeat (one line if its ranks would draw differently)
-        from extras import samplers
-
-        train_sampler = samplers.DrawnShares(
-            user_sampler, args.batch_size, rank, world_size, args.seed
-        )
-        train_sampler.check_drawn_alike()  # all-gather, every rank
-        train_loader = DataLoader(
-            samplers.Batches(train_set), None, sampler=train_sampler, **seeded
-        )
     else:
         # each rank a different shard, shuffled alike on all ranks (set_epoch); the remainder is
         # dropped so that every rank takes the same number of steps
@@ -424,41 +428,6 @@ def build_once(args, num_classes: int, rank: int) -> nn.Module:
         model = build_model(args, num_classes)
     torch.set_rng_state(utils.all_gather_objects(torch.get_rng_state())[0])  # rank 0's
     return model
-
-
-def check_state_fits(model: nn.Module, shards: int, args, place: torch.device) -> None:
-    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or
-    its share of the host's); a state that cannot fit ends the run in one line here, not by the
-    out-of-memory killer mid-step.
-    """
-    # On the meta device: sizes only.
-    gigabytes = {p: p.numel() * p.element_size() / 1e9 for p in model.parameters()}
-    whole = sum(gigabytes.values())
-    grads = sum(size for p, size in gigabytes.items() if p.requires_grad) / shards
-    state = [
-        whole / shards,
-        grads,
-        grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0)),
-    ]
-    if place.type == "cuda":
-        free = torch.cuda.mem_get_info(place)[0] / 1e9
-    # what the host has available (on rank 0's node also the model rank 0 built, freed once
-    # sharded), shared
-    else:
-        free = (
-            checkpoints.host_memory_available() / 1e9
-            + whole * (dist.get_rank() < utils.local_ranks())
-        ) / utils.local_ranks()
-    line = (
-        f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
-        f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
-        f" ({place.type})"
-    )
-    if sum(state) > free:
-        raise UsageError(
-            f"{line}: it cannot fit: use more processes, --cpu-offload (GPUs) or a smaller model"
-        )
-    log.info(line)
 
 
 def shard_model(
@@ -616,7 +585,7 @@ def evaluate(run: Training) -> dict:
     # every forward all-gathers weights from every rank, but shares may differ by a batch (a
     # stream's by more): while any rank has a batch, one whose share has ended joins with a spare
     # batch that counts for nothing
-    spare = (0, run.val_loader.collate_fn(checks.first_samples(run.val_loader, 1))[1])
+    spare = (0, run.val_loader.collate_fn(utils.first_samples(run.val_loader, 1))[1])
     # a batch this rank cannot read (a bad file) ends its share, and validation_record() every rank
     shard = meter.read(run.val_loader)
     while True:
@@ -795,7 +764,8 @@ def main(teardown: ExitStack) -> None:
     # before data and model: a bad path fails at once, on every rank
     with utils.errors_shared_by_all_ranks():
         if rank == 0:
-            checks.check_output_dir(output_dir)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=output_dir).close()  # it takes a file
             # a killed write's
             shutil.rmtree(output_dir / "checkpoint.new", ignore_errors=True)
     # from here a stalled rank ends every rank, named (before training: once another waited for it);
@@ -856,21 +826,47 @@ def main(teardown: ExitStack) -> None:
     torch.backends.cudnn.benchmark = True
     # rank 0's initial weights, and the same random streams on every rank
     torch.manual_seed(args.seed)
-    train_set, val_set, num_classes = checks.returned_datasets(build_datasets(args))
+    datasets = build_datasets(args)
+    # the start-up checks, one line where training would trip: what the plug points returned, a
+    # step (extras/checks.py; --no-checks leaves them out)
+    if not args.no_checks:
+        from extras import checks
+
+        checks.returned_datasets(datasets)
+    train_set, val_set, num_classes = datasets
     train_loader, val_loader = build_loaders(
         train_set, val_set, batch_per_rank, args, rank, world_size, device
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
     # rank 0 builds (or reads) the weights; the others, no memory
-    model = checks.returned_model(build_once(args, num_classes, rank))
-    # your frozen models (build_frozen), e.g. a teacher: on the device, outside DDP, the optimizer
-    # and every saved file
-    frozen = checks.frozen_models(build_frozen(args, num_classes), device)
+    model = build_once(args, num_classes, rank)
+    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
+    frozen = build_frozen(args, num_classes)
+    # your metrics (build_metrics; its {}: none), over every validation sample once
+    # (extras/scores.py)
+    val_metrics = build_metrics(args, num_classes) or None
+    if val_metrics is not None:
+        from extras import scores
+
+        val_metrics = scores.UserMetrics(val_metrics, device)
+    # what build_model, build_frozen and build_metrics returned (--keep-best must name a value)
+    if not args.no_checks:
+        from extras import checks
+
+        checks.returned_model(model)
+        checks.frozen_models(frozen)
+        checks.check_keep_best(args, val_metrics, num_classes)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
-    with utils.errors_shared_by_all_ranks():  # a state that cannot fit: one line from every rank
-        check_state_fits(model, world_size // args.replicate, args, place)
+    # what each rank will hold, beside the memory free for it: one line from every rank where it
+    # cannot fit (extras/checks.py)
+    if not args.no_checks:
+        from extras import checks
+
+        with utils.errors_shared_by_all_ranks():
+            free = checkpoints.host_memory_available()
+            checks.check_state_fits(model, world_size // args.replicate, args, place, free)
     # rank 0's weights, to send each rank its shards of them
     whole = model.state_dict() if rank == 0 else {}
     # each block moves to the device and keeps 1/world_size of its weights there: the whole model
@@ -887,10 +883,17 @@ def main(teardown: ExitStack) -> None:
     for buffer in model.buffers():  # those no state dict holds too (rotary tables)
         dist.broadcast(buffer, 0)
     del whole
-    # one step's forward and backward, undone: FLOPs, and one line for what training would trip on
-    flops_per_sample, convolutions = checks.first_step_flops(
-        model, train_loader, compute_loss, args, device, unused_ok=True
-    )
+    for module in frozen.values():  # on the device, in eval mode, without gradients
+        module.to(device).eval().requires_grad_(False)
+    # one step's forward and backward, undone: one line for what training would trip on, and the
+    # FLOPs of a sample (without the checks, no TFLOP/s)
+    flops_per_sample, convolutions = None, 0.0
+    if not args.no_checks:
+        from extras import checks
+
+        flops_per_sample, convolutions = checks.first_step_flops(
+            model, train_loader, compute_loss, args, device, unused_ok=True
+        )
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
     optimizer = utils.build_optimizer(model, args)  # over this rank's shards only
@@ -931,14 +934,6 @@ def main(teardown: ExitStack) -> None:
         )
     if live_line is not None:  # what it shows of training and validation
         live_line.show(recorder, val_loader)
-    # your metrics (build_metrics; its {}: none), over every validation sample once
-    # (extras/scores.py)
-    val_metrics = build_metrics(args, num_classes) or None
-    if val_metrics is not None:
-        from extras import scores
-
-        val_metrics = scores.UserMetrics(val_metrics, device)
-    checks.check_keep_best(args, val_metrics, num_classes)  # it must name a validation value
     run = Training(
         args=args,
         model=model,
@@ -991,7 +986,7 @@ def main(teardown: ExitStack) -> None:
         # every rank, at the epoch's last step; --ema: the average's too
         validation = validate(run, epoch, steps_per_epoch)
         # the epoch's TFLOP/s, and its mfu where the GPUs' peak is known
-        tflops = flops_per_sample * record["images_per_s"] / 1e12
+        tflops = flops_per_sample * record["images_per_s"] / 1e12 if flops_per_sample else None
         record = dict(
             epoch=epoch + 1,
             **record,
@@ -1000,7 +995,7 @@ def main(teardown: ExitStack) -> None:
             world_size=world_size,
             **metrics.memory_mb(model, optimizer, device),
             tflops=tflops,
-            mfu=tflops / peak_tflops if peak_tflops else None,
+            mfu=tflops / peak_tflops if tflops and peak_tflops else None,
         )
         # the epoch's line (metrics.jsonl and W&B, then printed) before its checkpoint: a crash
         # between them redoes the epoch; a diverged run's never (each rank checks its own shards)

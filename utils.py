@@ -217,9 +217,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
 
 def world_size() -> int:
     """The processes of the run: 1 without a process group."""
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 @functools.cache
@@ -231,9 +229,7 @@ def cpu_group() -> dist.ProcessGroup | None:
 
 def rank() -> int:
     """This process's place in the run: 0 without a process group."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    return 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def local_ranks() -> int:
@@ -255,17 +251,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP, DataParallel and torch.compile wrappers (models trained
     together, extras/together.py: the ModuleDict as built)."""
     inner = getattr(model, "module", getattr(model, "_orig_mod", None))
-    if inner is None:
-        return model
-    return unwrap(inner)
+    return model if inner is None else unwrap(inner)
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: its shard of an FSDP parameter (a DTensor), else the tensor
     itself."""
-    if hasattr(tensor, "to_local"):
-        return tensor.to_local()
-    return tensor
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @contextlib.contextmanager
@@ -432,9 +424,7 @@ def steps_per_epoch(loader: DataLoader, args, micro_batches: int = 1) -> int:
                 "optimizer steps of an epoch"
             ) from None
         batches = args.steps_per_epoch
-    if args.steps_per_epoch:
-        return min(batches, args.steps_per_epoch)
-    return batches
+    return min(batches, args.steps_per_epoch or batches)
 
 
 def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
@@ -462,12 +452,24 @@ def epoch_loader(loader: DataLoader, epoch: int, skip: int) -> DataLoader:
     )
 
 
+def first_samples(loader: DataLoader, n: int) -> list:
+    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
+    spare batch."""
+    # A stream's sampler (streams.StreamSampler) reads them from the stream.
+    if hasattr(loader.sampler, "first"):
+        return loader.sampler.first(n)
+    # A share of nothing (a validation sampler with no index) takes the first of the set.
+    indices = loader.sampler or range(len(loader.dataset))
+    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
+    if hasattr(loader.dataset, "first_drawn"):
+        return loader.dataset.first_drawn(indices, n)
+    return [loader.dataset[i] for i in itertools.islice(indices, n)]
+
+
 def samples_in_step(sampler, step: int, batch_size: int) -> int:
     """All ranks' samples in step's batch: --batch-size, or what a user's batch sampler drew
     (samplers.DrawnShares says)."""
-    if hasattr(sampler, "samples_in_step"):
-        return sampler.samples_in_step(step)
-    return batch_size
+    return sampler.samples_in_step(step) if hasattr(sampler, "samples_in_step") else batch_size
 
 
 class ValidationShares(Sampler):
@@ -1003,6 +1005,13 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
         " until a collective times out, --timeout + 30 s, unnamed; no live line either",
     )
     add(
+        "--no-checks",
+        action="store_true",
+        help="leave out the start-up checks (extras/checks.py): a step of two samples, undone, that"
+        " says in one line what training would trip on and counts its FLOPs; without them a"
+        " mistake is PyTorch's own error, found where it happens, and no TFLOP/s are recorded",
+    )
+    add(
         "--channels-last",
         action="store_true",
         help="NHWC model and images (faster on Tensor Cores; not with FSDP, which shards"
@@ -1117,8 +1126,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--ema {args.ema:g} is not in [0, 1): {message}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs GPUs, and none is visible: leave it out for gloo")
-    if args.compile_mode is not None:
-        args.compile = True
+    args.compile = args.compile or args.compile_mode is not None
     if args.keep_best_mode is not None and args.keep_best is None:
         raise UsageError("--keep-best-mode needs --keep-best NAME, the validation figure it ranks")
     # --keep-best: lower is better for a loss (timm's rule), higher for the rest

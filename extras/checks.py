@@ -6,15 +6,12 @@ weights before anything is saved.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import pickle
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from utils import (
@@ -23,8 +20,11 @@ from utils import (
     describe_value,
     errors_shared_by_all_ranks,
     first_line,
+    first_samples,
     forward,
+    local_ranks,
     log,
+    rank,
     refused_as_one_line,
     tree_flatten,
     world_size,
@@ -103,19 +103,17 @@ def check_trained_together(model: nn.ModuleDict, together: bool) -> None:
             raise UsageError(f"build_model's {name}[{part!r}] has no parameter to train")
 
 
-def frozen_models(models, device: torch.device) -> dict[str, nn.Module]:
-    """build_frozen's models: each on the device, in eval mode, without gradients, its size said
-    once; a dict of anything else is refused in one line."""
+def frozen_models(models) -> None:
+    """build_frozen's models, a dict of nn.Modules, their sizes said once; anything else refused in
+    one line."""
     if not isinstance(models, dict) or not all(isinstance(m, nn.Module) for m in models.values()):
         raise UsageError(
             "build_frozen must return a dict of nn.Modules ({} for none), not"
             f" {describe_value(models)}"
         )
     for name, module in models.items():
-        module.to(device).eval().requires_grad_(False)
         size = sum(p.numel() for p in module.parameters())
         log.info(f"frozen {name}: {size:,} parameters, not trained and in no saved file")
-    return models
 
 
 def first_step_flops(
@@ -184,20 +182,6 @@ def first_step_flops(
         if "convolution" in str(op)
     )
     return flops / samples, convolutions / max(flops, 1)
-
-
-def first_samples(loader: DataLoader, n: int) -> list:
-    """The first n samples of this rank's loader (a stream's first): for the start-up step, or a
-    spare batch."""
-    # A stream's sampler (streams.StreamSampler) reads them from the stream.
-    if hasattr(loader.sampler, "first"):
-        return loader.sampler.first(n)
-    # A share of nothing (a validation sampler with no index) takes the first of the set.
-    indices = loader.sampler or range(len(loader.dataset))
-    # A user's sampler's shares are lists of (index, repeat), which samplers.Batches reads.
-    if hasattr(loader.dataset, "first_drawn"):
-        return loader.dataset.first_drawn(indices, n)
-    return [loader.dataset[i] for i in itertools.islice(indices, n)]
 
 
 def check_draws_reach(dataset) -> None:
@@ -407,13 +391,6 @@ def is_default_loss(compute_loss: Callable) -> bool:
     return names and set(code.co_consts) <= {None, compute_loss.__doc__}
 
 
-def check_output_dir(path: Path) -> None:
-    """Create the output directory and prove that it takes a file, before any data or model is
-    built."""
-    path.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=path).close()
-
-
 def check_gloo_averages(world_size: int) -> None:
     """FSDP averages the gradients with reduce_scatter(AVG), which PyTorch 2.8's gloo sums: one
     line there, where CPU processes would train W times the gradient. Every rank calls it."""
@@ -462,12 +439,34 @@ def statistics_kept(model: nn.Module):
             buffer.copy_(kept)
 
 
-def check_not_a_stream(sampler, train_set) -> None:
-    """A stream has no indices to sample: one line where build_sampler returned a sampler for
-    one."""
-    if sampler is not None and isinstance(train_set, IterableDataset):
+def check_state_fits(
+    model: nn.Module, shards: int, args, place: torch.device, host_free: float
+) -> None:
+    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or
+    its share of host_free, the host's available bytes); a state that cannot fit ends the run in
+    one line here, not by the out-of-memory killer mid-step. FSDP's, before sharding."""
+    # On the meta device: sizes only.
+    gigabytes = {p: p.numel() * p.element_size() / 1e9 for p in model.parameters()}
+    whole = sum(gigabytes.values())
+    grads = sum(size for p, size in gigabytes.items() if p.requires_grad) / shards
+    state = [
+        whole / shards,
+        grads,
+        grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0)),
+    ]
+    if place.type == "cuda":
+        free = torch.cuda.mem_get_info(place)[0] / 1e9
+    # what the host has available (on rank 0's node also the model rank 0 built, freed once
+    # sharded), shared
+    else:
+        free = (host_free / 1e9 + whole * (rank() < local_ranks())) / local_ranks()
+    line = (
+        f"each rank will hold {sum(state):.2f} GB: parameters {state[0]:.2f}, gradients"
+        f" {state[1]:.2f}, {args.optimizer} state {state[2]:.2f}; {free:.1f} GB free for it"
+        f" ({place.type})"
+    )
+    if sum(state) > free:
         raise UsageError(
-            f"build_sampler returned a {type(sampler).__name__}, but the training set is a stream"
-            " (an IterableDataset), which has no indices to sample: return None, or a map-style"
-            " Dataset"
+            f"{line}: it cannot fit: use more processes, --cpu-offload (GPUs) or a smaller model"
         )
+    log.info(line)

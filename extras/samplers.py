@@ -14,7 +14,7 @@ import itertools
 import operator
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from utils import UsageError, all_gather_objects, derive, drawn_from
 
@@ -129,6 +129,17 @@ class DrawnShares(Sampler):
                 " torch.Generator given as its generator (seeded here each epoch) or from torch's"
                 " global stream"
             )
+
+
+def check_not_a_stream(sampler, train_set) -> None:
+    """A stream has no indices to sample: one line where build_sampler returned a sampler for
+    one."""
+    if sampler is not None and isinstance(train_set, IterableDataset):
+        raise UsageError(
+            f"build_sampler returned a {type(sampler).__name__}, but the training set is a stream"
+            " (an IterableDataset), which has no indices to sample: return None, or a map-style"
+            " Dataset"
+        )
 
 
 class Batches(Dataset):

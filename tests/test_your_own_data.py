@@ -630,16 +630,16 @@ def code_lines(path: Path) -> int:
 # rendezvous, DDP's flags and the validation record in utils/ once. None may grow without a reason
 # written here.
 SCRIPT_LINES = {
-    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4 + 6,
+    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4 + 6 + 15,
     # and the three scripts that had registered batches.CountWeights: PyTorch's bf16_compress_hook
     # for --comm-hook, its import (1; utils/ 43 fewer)
-    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7 + 6,
-    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6,
-    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6,
+    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7 + 6 + 15,
+    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6 + 15,
+    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6 + 15,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4,
-    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77 + 15,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4 + 6,
+    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1 + 15,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
 # the blocks that import an extra where it is used (Slurm's and torchrun's elastic store at the
@@ -670,6 +670,10 @@ SCRIPT_LINES = {
 # extras/gradcache.py, an extra of its own, as the issue on the minimal copy names the whole batch's; a batch that
 # does not split into --accum-steps said by parse_args, the step's samples named as distributed.py names them, the
 # extra imported in the block that steps with it (77 fewer in all).
+# The start-up checks (extras/checks.py) entered by their three blocks, which --no-checks leaves out (15 in every
+# script: each block's if and import, what build_datasets returned named before it is unpacked, the frozen models
+# moved to the device in the script, the output directory's check inline); FSDP's 6, its memory check
+# (check_state_fits, 12) now extras/checks.py's, in a block of its own.
 
 
 def statements(path: Path) -> int:
@@ -694,7 +698,7 @@ def statements(path: Path) -> int:
 EXTRAS_IMPORTING_EXTRAS: dict[str, set[str]] = {}
 # The extras a script still imports at its top rather than in the block that uses them: a ratchet toward none.
 EXTRAS_AT_THE_TOP = {
-    *"checkpoints checks metrics".split(),
+    *"checkpoints metrics".split(),
     "batches",  # distributed_grad_accum.py's micro-batches
 }
 # What a user copies (distributed.py, utils.py and every extra), in statements (../shared/tools/statements): the
@@ -715,7 +719,11 @@ EXTRAS_AT_THE_TOP = {
 # random streams, the buffers kept inline and the loss weighted by utils.loss_for_backward), out of the script, whose
 # diff from distributed.py is 190 lines, not 321; a contrastive loss without accumulation copies extras/batches.py
 # alone.
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73
+# The start-up checks an extra entered by its blocks, which --no-checks leaves out: distributed.py's three blocks
+# (11), the core's flag with first_samples (the FSDP script's spare batch, out of extras/checks.py) in 5 fewer,
+# extras/checks.py 3 fewer (the output directory's check inline in the scripts, the stream's for a user's sampler
+# extras/samplers.py's, 3; FSDP's memory check, 12, in): 6 in all.
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73 + 6
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds
@@ -740,18 +748,18 @@ def test_each_script_is_distributed_py_and_a_short_lesson():
 # The smallest copy that trains a user's project: a script, the core and the extras its top imports (these, and
 # accumulation's batches), the blocks that a run enters unasked deleted with their extras' files
 # (tools/smallest_copy.py): the run's picture (always), the live line (a terminal), MFU's peaks and DataLoader
-# workers (a GPU), the torchrun agent's store (torchrun), and the two extras on by default, the watchdog and each
-# sample's seeds. Every other extra's block is entered by a flag or a plug point's return. Kept, the blocks of the
-# two on by default are left out by SMALLEST_FLAGS.
+# workers (a GPU), the torchrun agent's store (torchrun), and the three extras on by default, the watchdog, each
+# sample's seeds and the start-up checks. Every other extra's block is entered by a flag or a plug point's return. Kept, the blocks of the
+# three on by default are left out by SMALLEST_FLAGS.
 SMALLEST_COPY = {*EXTRAS_AT_THE_TOP - {"batches"}, "__init__"}
-SMALLEST_FLAGS = ("--no-watchdog", "--no-sample-seeds")
+SMALLEST_FLAGS = ("--no-watchdog", "--no-sample-seeds", "--no-checks")
 
 
 def smallest_copy(
     script: str, directory: Path, yours: str | None, deleted: tuple[str, ...] = smallest.MACHINE
 ) -> Path:
     """script copied with yours as its smallest copy (tools/smallest_copy.py's): the blocks of each extra named in
-    `deleted` removed (by default those the machine enters; the two on by default are left to SMALLEST_FLAGS), and
+    `deleted` removed (by default those the machine enters; the three on by default are left to SMALLEST_FLAGS), and
     the files of every extra its top does not import."""
     copy = smallest.shrink(copy_with_your_functions(script, directory, yours), deleted)
     assert smallest.top_extras(copy) <= SMALLEST_COPY | {"batches"}
@@ -895,14 +903,14 @@ def test_the_smallest_copy_keeps_the_cores_guarantees(tmp_path):
         "distributed.py", tmp_path / "own", None, smallest.MACHINE + smallest.ON_BY_DEFAULT
     )
     assert (tmp_path / "written" / "distributed.py").read_text() == own.read_text()
-    common = COMMON  # no flag: the blocks of the two extras on by default are deleted
+    common = COMMON  # no flag: the blocks of the three extras on by default are deleted
     two, one, stopped, ends = (tmp_path / name for name in ("two", "one", "stopped", "ends"))
     ends.mkdir()
     results = run_parallel(
         [
             (launch(script, 2, *common, "--output-dir", two), {"ENDS": str(ends)}, tmp_path),
             (launch(script, 1, *common, "--output-dir", one), {}, tmp_path),
-            (launch(script, 2, *common, "--output-dir", stopped), {"STOP_AT": "35"}, tmp_path),
+            (launch(script, 2, *common, "--output-dir", stopped), {"STOP_AT": "34"}, tmp_path),
         ],
         check=False,
     )
@@ -911,7 +919,7 @@ def test_the_smallest_copy_keeps_the_cores_guarantees(tmp_path):
     )
     stop = "stopped by SIGTERM after step 8/20 of epoch 2, saved: the same command continues from there"
     assert results[2].returncode != 0 and stop in results[2].stderr, results[2].stderr
-    # stopped mid-epoch 2 (20 steps an epoch; its 35th loss: the start-up step's, 20, 7 validation batches', 7),
+    # stopped mid-epoch 2 (20 steps an epoch; its 34th loss: 20, 7 validation batches', 7; no start-up step, checks'),
     # after the step that follows the signal (the ranks agree as each step begins)
     state = torch.load(stopped / "checkpoint.pt", weights_only=True)
     assert (state["epoch"], state["step"]) == (1, 8), (state["epoch"], state["step"])
@@ -1058,8 +1066,8 @@ def test_each_script_holds_its_recipe():
             "def compute_loss(outputs, targets)",
             "def collate(samples",
             "from extras import builtin",
-            "checks.returned_datasets(build_datasets(args))",
-            "model = checks.returned_model(build_",
+            "checks.returned_datasets(datasets)",
+            "checks.returned_model(model",
             "StepRecords(",
             "recorder.add(",
             "clip_grad_norm_(",

@@ -111,6 +111,7 @@ VALUES = {
     "--no-live-line": SWITCH,
     "--no-watchdog": SWITCH,
     "--no-sample-seeds": SWITCH,
+    "--no-checks": SWITCH,
     "--profile": (["1:2"], ["2:1", "x"]),
     "--compile-mode": (["default"], ["fastest"]),
     "--output-dir": (["{dir}/out"], ["{file}/out"]),

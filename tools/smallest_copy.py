@@ -6,8 +6,8 @@ deletes them (the block, and the comment lines above it), and those extras' file
 
 The blocks deleted: the run's picture (curves, every run), the live line (live, a terminal), MFU's
 peaks and DataLoader workers' start (peaks and workers, a GPU), torchrun's agent store (elastic),
-and the two extras on by default, the watchdog (stalls) and each sample's seeds (seeds): the copy
-runs with no flag. Every other extra's block stays, with its file left out: its flag (--phases)
+and the three extras on by default, the watchdog (stalls), each sample's seeds (seeds) and the
+start-up checks (checks): the copy runs with no flag. Every other extra's block stays, with its file left out: its flag (--phases)
 ends every rank with one line naming the file to copy beside the others.
 """
 
@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the blocks a run enters unasked: by the machine, and the two extras on by default
+# the blocks a run enters unasked: by the machine, and the three extras on by default
 MACHINE = ("curves", "live", "peaks", "workers", "elastic")
-ON_BY_DEFAULT = ("stalls", "seeds")
+ON_BY_DEFAULT = ("stalls", "seeds", "checks")
 
 
 def delete_blocks(script: Path, extra: str) -> None:
