@@ -218,10 +218,14 @@ def test_the_moving_average_follows_its_decay_swaps_back_bit_for_bit_and_continu
         args,
         ema=None,
     ) == (1, 0)
-    records = ema.evaluated(lambda: {"val_loss": float(model[0].weight.detach().sum()), "val_images": 8})
-    assert records["val_loss_ema"] == pytest.approx(float(expected["0.weight"].sum()), abs=1e-5)
+    records = ema.evaluated(
+        lambda: {"val_loss": float(model[0].weight.detach().sum()), "val_images": 8}
+    )
+    assert records["val_loss_ema"] == pytest.approx(
+        float(expected["0.weight"].detach().sum()), abs=1e-5
+    )
     assert (
-        records["val_loss"] == pytest.approx(float(weights["0.weight"].sum()))
+        records["val_loss"] == pytest.approx(float(weights["0.weight"].detach().sum()))
         and "val_images_ema" not in records
     )
 
