@@ -683,9 +683,6 @@ def main(teardown: ExitStack) -> None:
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    model = build_model(args, num_classes)
-    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
-    frozen = build_frozen(args, num_classes)
     # your metrics (build_metrics; its {}: none), over every validation sample once
     # (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
@@ -693,23 +690,25 @@ def main(teardown: ExitStack) -> None:
         from extras import scores
 
         val_metrics = scores.UserMetrics(val_metrics, device)
-    # what build_model, build_frozen and build_metrics returned (--keep-best must name a value)
+    model = build_model(args, num_classes)
+    # what build_model returned, before it moves; --keep-best must name a validation value
     if not args.no_checks:
         from extras import checks
 
         checks.returned_model(model)
-        checks.frozen_models(frozen)
         checks.check_keep_best(args, val_metrics, num_classes)
     # --channels-last: NHWC, what Tensor Core convolutions read
     model = model.to(device, memory_format=utils.memory_format(args))
-    for module in frozen.values():  # on the device, in eval mode, without gradients
-        module.to(device).eval().requires_grad_(False)
-    # one step's forward and backward, undone: one line for what training would trip on, and the
-    # FLOPs of a sample (without the checks, no TFLOP/s)
+    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
+    frozen = build_frozen(args, num_classes)
+    # what build_frozen returned, before they move; one step's forward and backward, undone: one
+    # line for what training would trip on, and the FLOPs of a sample (without the checks, no
+    # TFLOP/s)
     flops_per_sample, convolutions = None, 0.0
     if not args.no_checks:
         from extras import checks
 
+        checks.frozen_models(frozen)
         flops_per_sample, convolutions = checks.first_step_flops(
             model,
             train_loader,
@@ -719,6 +718,8 @@ def main(teardown: ExitStack) -> None:
             # no DDP: a weight without gradient stays put
             unused_ok=True,
         )
+    for module in frozen.values():  # on the device, in eval mode, without gradients
+        module.to(device).eval().requires_grad_(False)
     diloco = DiLoCo(model, args, world_size)  # no DDP wrapper: each process steps its own copy
     if args.compile:
         model = torch.compile(model, mode=args.compile_mode)
@@ -726,10 +727,10 @@ def main(teardown: ExitStack) -> None:
     optimizer = utils.build_optimizer(model, args)
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
-    # its GPUs for this precision (extras/peaks.py)
+    # each epoch's line: TFLOP/s (the start-up step counted the FLOPs); on a GPU (or with
+    # --peak-tflops) its mfu, over the dense peak of its GPUs for this precision (extras/peaks.py)
     peak_tflops = None
-    if device.type == "cuda" or args.peak_tflops:
+    if flops_per_sample and (device.type == "cuda" or args.peak_tflops):
         from extras import peaks
 
         peak_tflops = peaks.peak_tflops(

@@ -258,11 +258,8 @@ def setup_distributed(args) -> tuple[int, int, int, torch.device]:
             device_id=device if "nccl" in backend else None,
         )
     # FSDP averages the gradients with reduce_scatter(AVG): PyTorch 2.8's gloo sums instead
-    # (extras/checks.py; --no-checks leaves it out)
-    if device.type == "cpu" and not args.no_checks:
-        from extras import checks
-
-        checks.check_gloo_averages(world_size)
+    if device.type == "cpu":
+        utils.check_gloo_averages(world_size)
     return rank, local_rank, world_size, device
 
 
@@ -839,10 +836,6 @@ def main(teardown: ExitStack) -> None:
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    # rank 0 builds (or reads) the weights; the others, no memory
-    model = build_once(args, num_classes, rank)
-    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
-    frozen = build_frozen(args, num_classes)
     # your metrics (build_metrics; its {}: none), over every validation sample once
     # (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
@@ -850,23 +843,27 @@ def main(teardown: ExitStack) -> None:
         from extras import scores
 
         val_metrics = scores.UserMetrics(val_metrics, device)
-    # what build_model, build_frozen and build_metrics returned (--keep-best must name a value)
+    # rank 0 builds (or reads) the weights; the others, no memory
+    model = build_once(args, num_classes, rank)
+    # what build_model returned, before it is sharded; --keep-best must name a validation value
     if not args.no_checks:
         from extras import checks
 
         checks.returned_model(model)
-        checks.frozen_models(frozen)
         checks.check_keep_best(args, val_metrics, num_classes)
+    # your frozen models (build_frozen), e.g. a teacher: outside FSDP, the optimizer and saved files
+    frozen = build_frozen(args, num_classes)
     # where the shards will be (offloaded: host memory)
     place = torch.device("cpu") if args.cpu_offload else device
-    # what each rank will hold, beside the memory free for it: one line from every rank where it
-    # cannot fit (extras/checks.py)
+    # what build_frozen returned; what each rank will hold beside the memory free for it (less the
+    # frozen models' on a GPU): one line from every rank where it cannot fit
     if not args.no_checks:
         from extras import checks
 
+        checks.frozen_models(frozen)
         with utils.errors_shared_by_all_ranks():
             free = checkpoints.host_memory_available()
-            checks.check_state_fits(model, world_size // args.replicate, args, place, free)
+            checks.check_state_fits(model, world_size // args.replicate, args, place, free, frozen)
     # rank 0's weights, to send each rank its shards of them
     whole = model.state_dict() if rank == 0 else {}
     # each block moves to the device and keeps 1/world_size of its weights there: the whole model
@@ -902,10 +899,10 @@ def main(teardown: ExitStack) -> None:
     scaler = ShardedGradScaler(
         device.type, init_scale=args.init_scale, enabled=amp_dtype == torch.float16
     )
-    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
-    # its GPUs for this precision (extras/peaks.py)
+    # each epoch's line: TFLOP/s (the start-up step counted the FLOPs); on a GPU (or with
+    # --peak-tflops) its mfu, over the dense peak of its GPUs for this precision (extras/peaks.py)
     peak_tflops = None
-    if device.type == "cuda" or args.peak_tflops:
+    if flops_per_sample and (device.type == "cuda" or args.peak_tflops):
         from extras import peaks
 
         peak_tflops = peaks.peak_tflops(

@@ -546,9 +546,6 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     )
     # full batches, cut at --steps-per-epoch (which a stream without __len__ needs)
     steps_per_epoch = utils.steps_per_epoch(train_loader, args)
-    model = build_model(args, num_classes)
-    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
-    frozen = build_frozen(args, num_classes)
     # your metrics (build_metrics; its {}: none), over every validation sample once
     # (extras/scores.py)
     val_metrics = build_metrics(args, num_classes) or None
@@ -556,26 +553,30 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
         from extras import scores
 
         val_metrics = scores.UserMetrics(val_metrics, device)
-    # what build_model, build_frozen and build_metrics returned (--keep-best must name a value)
+    model = build_model(args, num_classes)
+    # what build_model returned, before it moves; --keep-best must name a validation value
     if not args.no_checks:
         from extras import checks
 
         checks.returned_model(model, together=True)
-        checks.frozen_models(frozen)
         checks.check_keep_best(args, val_metrics, num_classes)
     # --channels-last: NHWC, what Tensor Core convolutions read
     model = model.to(device, memory_format=utils.memory_format(args))
-    for module in frozen.values():  # on the device, in eval mode, without gradients
-        module.to(device).eval().requires_grad_(False)
-    # one step's forward and backward, undone: one line for what training would trip on, and the
-    # FLOPs of a sample (without the checks, no TFLOP/s)
+    # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
+    frozen = build_frozen(args, num_classes)
+    # what build_frozen returned, before they move; one step's forward and backward, undone: one
+    # line for what training would trip on, and the FLOPs of a sample (without the checks, no
+    # TFLOP/s)
     flops_per_sample, convolutions = None, 0.0
     if not args.no_checks:
         from extras import checks
 
+        checks.frozen_models(frozen)
         flops_per_sample, convolutions = checks.first_step_flops(
             model, train_loader, compute_loss, args, device, unused_ok=args.find_unused_parameters
         )
+    for module in frozen.values():  # on the device, in eval mode, without gradients
+        module.to(device).eval().requires_grad_(False)
     # --sync-bn: batch-norm statistics of the global batch, not of each rank's part
     # (PyTorch's SyncBatchNorm has no CPU kernel: on CPU processes the same statistics over gloo)
     if args.sync_bn and device.type == "cuda":
@@ -612,10 +613,10 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     optimizer = utils.build_optimizer(model, args)
     scheduler = utils.warmup_cosine(optimizer, args.epochs * steps_per_epoch, args.warmup)
 
-    # each epoch's line: TFLOP/s; on a GPU (or with --peak-tflops) its mfu, over the dense peak of
-    # its GPUs for this precision (extras/peaks.py)
+    # each epoch's line: TFLOP/s (the start-up step counted the FLOPs); on a GPU (or with
+    # --peak-tflops) its mfu, over the dense peak of its GPUs for this precision (extras/peaks.py)
     peak_tflops = None
-    if device.type == "cuda" or args.peak_tflops:
+    if flops_per_sample and (device.type == "cuda" or args.peak_tflops):
         from extras import peaks
 
         peak_tflops = peaks.peak_tflops(

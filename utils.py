@@ -247,6 +247,18 @@ def all_gather_objects(obj, group=None) -> list:
     return objects
 
 
+def check_gloo_averages(world_size: int) -> None:
+    """FSDP averages the gradients with reduce_scatter(AVG), which PyTorch 2.8's gloo sums: one
+    line there, where CPU processes would train W times the gradient. Every rank calls it."""
+    average = torch.zeros(1)
+    dist.reduce_scatter_tensor(average, torch.ones(world_size), op=dist.ReduceOp.AVG)
+    if average.item() != 1:
+        raise UsageError(
+            f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes"
+            " would train wrong: use a newer PyTorch (2.15 is tested)"
+        )
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP, DataParallel and torch.compile wrappers (models trained
     together, extras/together.py: the ModuleDict as built)."""
@@ -1007,9 +1019,11 @@ def build_parser(description: str, one_process: bool = False) -> ArgumentParser:
     add(
         "--no-checks",
         action="store_true",
-        help="leave out the start-up checks (extras/checks.py): a step of two samples, undone, that"
-        " says in one line what training would trip on and counts its FLOPs; without them a"
-        " mistake is PyTorch's own error, found where it happens, and no TFLOP/s are recorded",
+        help="leave out the start-up checks (extras/checks.py): what the plug points return, a step"
+        " of two samples (undone) and FSDP's memory, each mistake said in one line before training;"
+        " without them a mistake is found late, as PyTorch's error or a wrong number (an empty"
+        " validation set's loss of 0, draws that differ between ranks), and no TFLOP/s or mfu are"
+        " recorded (the step counts the FLOPs)",
     )
     add(
         "--channels-last",

@@ -391,20 +391,6 @@ def is_default_loss(compute_loss: Callable) -> bool:
     return names and set(code.co_consts) <= {None, compute_loss.__doc__}
 
 
-def check_gloo_averages(world_size: int) -> None:
-    """FSDP averages the gradients with reduce_scatter(AVG), which PyTorch 2.8's gloo sums: one
-    line there, where CPU processes would train W times the gradient. Every rank calls it."""
-    average = torch.zeros(1)
-    torch.distributed.reduce_scatter_tensor(
-        average, torch.ones(world_size), op=torch.distributed.ReduceOp.AVG
-    )
-    if average.item() != 1:
-        raise UsageError(
-            f"PyTorch {torch.__version__}'s gloo sums where FSDP averages, so CPU processes"
-            " would train wrong: use a newer PyTorch (2.15 is tested)"
-        )
-
-
 def check_keep_best(args, user_metrics, num_classes: int) -> None:
     """--keep-best NAME: one line at the start where no validation will have NAME, with the names
     there are (user_metrics: scores.UserMetrics, or None)."""
@@ -440,11 +426,12 @@ def statistics_kept(model: nn.Module):
 
 
 def check_state_fits(
-    model: nn.Module, shards: int, args, place: torch.device, host_free: float
+    model: nn.Module, shards: int, args, place: torch.device, host_free: float, frozen: dict
 ) -> None:
-    """Before sharding, say what each rank will hold beside the memory free for it (its GPU's, or
-    its share of host_free, the host's available bytes); a state that cannot fit ends the run in
-    one line here, not by the out-of-memory killer mid-step. FSDP's, before sharding."""
+    """FSDP's, before sharding: what each rank will hold beside the memory free for it (its GPU's
+    less the frozen models' bound there, or its share of host_free, the host's available bytes); a
+    state that cannot fit ends the run in one line here, not by the out-of-memory killer
+    mid-step."""
     # On the meta device: sizes only.
     gigabytes = {p: p.numel() * p.element_size() / 1e9 for p in model.parameters()}
     whole = sum(gigabytes.values())
@@ -454,8 +441,12 @@ def check_state_fits(
         grads,
         grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0)),
     ]
+    # a GPU's free memory, less the frozen models' that move there next
     if place.type == "cuda":
-        free = torch.cuda.mem_get_info(place)[0] / 1e9
+        frozen_bytes = sum(
+            t.nbytes for m in frozen.values() for t in [*m.parameters(), *m.buffers()]
+        )
+        free = (torch.cuda.mem_get_info(place)[0] - frozen_bytes) / 1e9
     # what the host has available (on rank 0's node also the model rank 0 built, freed once
     # sharded), shared
     else:

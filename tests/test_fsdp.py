@@ -3,6 +3,8 @@ state per rank, and its sharded checkpoint continues on another number of proces
 
 from __future__ import annotations
 
+import argparse
+import copy
 import math
 import re
 import shutil
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from extras import builtin
+import utils
+from extras import builtin, checks
 from extras.checkpoints import host_memory_available
 from processes import (
     EVAL_EVERY,
@@ -504,6 +507,26 @@ def test_the_phase_table_shows_each_phase_and_a_save_that_adds_little_beside_ran
         result.stdout,
         re.M,
     ), result.stdout
+
+
+def test_the_memory_check_counts_the_frozen_models_bound_for_the_gpu(monkeypatch):
+    """distributed_fsdp.py's start-up memory check on a GPU: a teacher built on the host but bound for the GPU is
+    counted against the GPU's free memory, so a state that fits beside it alone fits and one that does not is
+    refused in one line before sharding (sizes on the meta device; the GPU's free bytes given)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 10**9, 80 * 10**9))
+    args = argparse.Namespace(optimizer="adamw", momentum=0.9)
+    # 1.0 GB of weights: each of 2 ranks holds 2.0 with their gradients and AdamW's state
+    model = torch.nn.Linear(10_000, 25_000, bias=False, device="meta")
+    teacher = torch.nn.Linear(10_000, 20_000, bias=False, device="meta")  # 0.8 GB
+    gpu = torch.device("cuda", 0)
+    checks.check_state_fits(model, 2, args, gpu, 0.0, {})  # 2.0 GB of 3.0 free
+    checks.check_state_fits(model, 2, args, gpu, 0.0, {"teacher": teacher})  # of 2.2
+    with pytest.raises(
+        utils.UsageError, match=r"each rank will hold 2\.00 GB: .* 1\.4 GB free for it \(cuda\)"
+    ):
+        checks.check_state_fits(
+            model, 2, args, gpu, 0.0, {"a": teacher, "b": copy.deepcopy(teacher)}
+        )
 
 
 def test_the_docs_hugging_face_recipe_reads_the_checkpoint_once_and_trains_from_it(tmp_path):

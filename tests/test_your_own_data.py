@@ -638,7 +638,7 @@ SCRIPT_LINES = {
     "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6 + 15,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
     "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77 + 15,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4 + 6,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4 + 5,
     "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1 + 15,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
@@ -672,8 +672,8 @@ SCRIPT_LINES = {
 # extra imported in the block that steps with it (77 fewer in all).
 # The start-up checks (extras/checks.py) entered by their three blocks, which --no-checks leaves out (15 in every
 # script: each block's if and import, what build_datasets returned named before it is unpacked, the frozen models
-# moved to the device in the script, the output directory's check inline); FSDP's 6, its memory check
-# (check_state_fits, 12) now extras/checks.py's, in a block of its own.
+# moved to the device in the script, the output directory's check inline); FSDP's 5, its memory check
+# (check_state_fits, 12) now extras/checks.py's, in a fourth block, and its gloo check the core's.
 
 
 def statements(path: Path) -> int:
@@ -720,10 +720,11 @@ EXTRAS_AT_THE_TOP = {
 # diff from distributed.py is 190 lines, not 321; a contrastive loss without accumulation copies extras/batches.py
 # alone.
 # The start-up checks an extra entered by its blocks, which --no-checks leaves out: distributed.py's three blocks
-# (11), the core's flag with first_samples (the FSDP script's spare batch, out of extras/checks.py) in 5 fewer,
-# extras/checks.py 3 fewer (the output directory's check inline in the scripts, the stream's for a user's sampler
-# extras/samplers.py's, 3; FSDP's memory check, 12, in): 6 in all.
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73 + 6
+# (11); the core still 600 with its flag, first_samples (the FSDP script's spare batch) and the gloo check (a guard
+# of FSDP's average, not a start-up check: on under --no-checks), all out of extras/checks.py, in 7 fewer elsewhere;
+# extras/checks.py 7 fewer (those two out, the output directory's check inline in the scripts, the stream's for a
+# user's sampler extras/samplers.py's, 3; FSDP's memory check, 12, and the frozen models in it, 2, in): 7 in all.
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73 + 7
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds

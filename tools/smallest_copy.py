@@ -7,8 +7,9 @@ deletes them (the block, and the comment lines above it), and those extras' file
 The blocks deleted: the run's picture (curves, every run), the live line (live, a terminal), MFU's
 peaks and DataLoader workers' start (peaks and workers, a GPU), torchrun's agent store (elastic),
 and the three extras on by default, the watchdog (stalls), each sample's seeds (seeds) and the
-start-up checks (checks): the copy runs with no flag. Every other extra's block stays, with its file left out: its flag (--phases)
-ends every rank with one line naming the file to copy beside the others.
+start-up checks (checks): the copy runs with no flag. Every other extra's block stays, with its
+file left out: its flag (--phases) ends every rank with one line naming the file to copy beside
+the others.
 """
 
 from __future__ import annotations
