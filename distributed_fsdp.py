@@ -882,9 +882,9 @@ def main(teardown: ExitStack) -> None:
     del whole
     for module in frozen.values():  # on the device, in eval mode, without gradients
         module.to(device).eval().requires_grad_(False)
+    flops_per_sample, convolutions = None, 0.0  # without the checks: no TFLOP/s
     # one step's forward and backward, undone: one line for what training would trip on, and the
-    # FLOPs of a sample (without the checks, no TFLOP/s)
-    flops_per_sample, convolutions = None, 0.0
+    # FLOPs of a sample
     if not args.no_checks:
         from extras import checks
 

@@ -415,6 +415,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             result = gradcache.train_step(run, micro_batches, compute_loss)
         else:
             result = train_step(run, micro_batches)
+        # one the start-up step did not see (--no-checks) would be over each micro-batch: one line
+        if batches.WholeBatch.calls and not run.whole_batch:
+            raise utils.UsageError(
+                "compute_loss calls batches.whole_batch, which the start-up checks find (extras/"
+                "checks.py): leave out --no-checks"
+            )
         if run.ema is not None:  # --ema: the average moves toward the new weights
             run.ema.update()
         # the other numbers it returned (it added its micro-batches' loss and accuracy itself)
@@ -617,10 +623,9 @@ def main(teardown: ExitStack) -> None:
     model = model.to(device, memory_format=utils.memory_format(args))
     # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
     frozen = build_frozen(args, num_classes)
+    flops_per_sample, convolutions = None, 0.0  # without the checks: no TFLOP/s
     # what build_frozen returned, before they move; one step's forward and backward, undone: one
-    # line for what training would trip on, and the FLOPs of a sample (without the checks, no
-    # TFLOP/s)
-    flops_per_sample, convolutions = None, 0.0
+    # line for what training would trip on, and the FLOPs of a sample
     if not args.no_checks:
         from extras import checks
 

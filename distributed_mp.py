@@ -564,10 +564,9 @@ def train(local_rank: int, args, say, teardown: ExitStack) -> None:
     model = model.to(device, memory_format=utils.memory_format(args))
     # your frozen models (build_frozen), e.g. a teacher: outside DDP, the optimizer and saved files
     frozen = build_frozen(args, num_classes)
+    flops_per_sample, convolutions = None, 0.0  # without the checks: no TFLOP/s
     # what build_frozen returned, before they move; one step's forward and backward, undone: one
-    # line for what training would trip on, and the FLOPs of a sample (without the checks, no
-    # TFLOP/s)
-    flops_per_sample, convolutions = None, 0.0
+    # line for what training would trip on, and the FLOPs of a sample
     if not args.no_checks:
         from extras import checks
 

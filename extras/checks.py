@@ -441,11 +441,10 @@ def check_state_fits(
         grads,
         grads * (2 if args.optimizer == "adamw" else int(args.momentum > 0)),
     ]
-    # a GPU's free memory, less the frozen models' that move there next
+    # a GPU's free memory, less the frozen models' that move there next (not there already)
     if place.type == "cuda":
-        frozen_bytes = sum(
-            t.nbytes for m in frozen.values() for t in [*m.parameters(), *m.buffers()]
-        )
+        tensors = [t for m in frozen.values() for t in [*m.parameters(), *m.buffers()]]
+        frozen_bytes = sum(t.nbytes for t in tensors if not t.is_cuda)
         free = (torch.cuda.mem_get_info(place)[0] - frozen_bytes) / 1e9
     # what the host has available (on rank 0's node also the model rank 0 built, freed once
     # sharded), shared

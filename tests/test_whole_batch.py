@@ -234,7 +234,8 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
     of the loss's gradient) on 1 and on 2 processes trains the weights of --accum-steps 1 (1e-5) and records its
     train_loss; so do CLIP on 3 processes (micro-batches of 6 + 5 + 5), whose learned temperature is in every
     micro-batch's outputs and gets its gradient once, and InfoNCE as a (sum, count) on 3, each with SGD; 2 processes
-    validate what 1 does; the second forward draws what the first drew."""
+    validate what 1 does; the second forward draws what the first drew; without the start-up checks (--no-checks),
+    which find the loss over the whole batch, one line."""
     scripts = {
         loss: copy_with_your_functions("distributed_grad_accum.py", tmp_path / loss, yours(loss))
         for loss in ("infonce", "clip", "sum")
@@ -275,7 +276,17 @@ def test_k_micro_batches_of_a_loss_over_the_whole_batch_train_what_one_batch_k_t
     # another count (AdamW's steps would not change with the gradient's scale)
     for command in commands[3:7]:
         command[0].extend(["--optimizer", "sgd", "--lr", "0.01"])
-    run_parallel(commands)
+    # without the start-up step, which finds the loss over the whole batch: one line, not a step over each
+    # micro-batch's part
+    unchecked = launch(scripts["infonce"], 2, *FLAGS, "--accum-steps", "4", "--no-checks")
+    commands.append((unchecked + ["--output-dir", tmp_path / "unchecked"], OFFLINE, tmp_path))
+    results = run_parallel(commands, check=False)
+    assert all(result.returncode == 0 for result in results[:-1]), [r.stderr for r in results]
+    assert results[-1].returncode != 0, results[-1].stderr
+    assert (
+        "error: compute_loss calls batches.whole_batch, which the start-up checks find"
+        " (extras/checks.py): leave out --no-checks" in results[-1].stderr
+    ), results[-1].stderr
     # each against --accum-steps 1 on 1 process with the same optimizer (InfoNCE's, for its (sum, count))
     baseline = {
         "infonce 1 x 4": "infonce 1 x 1",
