@@ -259,11 +259,13 @@ class Training:
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
+    weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
     def backward(self, loss) -> None:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
         the ranks' parts differ in size."""
+        self.weighted = self.samples
         utils.loss_for_backward(loss, *self.samples).backward()
 
 
@@ -296,6 +298,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
+        # a loss not weighted by this rank's part (loss.backward()), wrong where the parts differ:
+        # one line
+        if run.weighted is not run.samples:
+            raise utils.UsageError(
+                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+            )
         if run.ema is not None:  # --ema: the average moves toward the new weights
             run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned

@@ -491,11 +491,13 @@ class Training:
     recorder: metrics.StepRecords  # steps.jsonl and its sinks, all ranks' numbers
     val_metrics: object | None  # build_metrics' (extras/scores.py): every sample counted once
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
+    weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
     def backward(self, loss) -> None:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
         the ranks' parts differ in size."""
+        self.weighted = self.samples
         self.scaler.scale(utils.loss_for_backward(loss, *self.samples)).backward()
 
 
@@ -512,8 +514,9 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
     meter = recorder.meter_for_epoch(run.device, steps_done)
     # every rank takes the same steps (a small all-reduce a step): a stream that ends unevenly
     # stops all after the same one; --steps-per-epoch may cut an epoch
-    batches = meter.timed(loader)
-    for step, (samples, batch) in run.stop.steps(batches, steps_done, recorder.steps_per_epoch):
+    for step, (samples, batch) in run.stop.steps(
+        meter.timed(loader), steps_done, recorder.steps_per_epoch
+    ):
         run.watchdog.batch(epoch, step)  # progress: the watchdog times the steps
         recorder.phases.new_step()  # its first optimizer step counts it, once
         # dropout and other randomness in the model: this rank's own, from (seed, rank, epoch,
@@ -521,13 +524,21 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         utils.seed_step(args.seed, epoch, step)
         # this rank's samples and all ranks' (--batch-size, or your sampler's): run.backward()
         # weights the loss by them
-        step_samples = utils.samples_in_step(run.train_loader.sampler, step, args.batch_size)
-        run.samples = (samples, step_samples)
+        run.samples = (
+            samples,
+            utils.samples_in_step(run.train_loader.sampler, step, args.batch_size),
+        )
         # on the device; its random draws keyed by (epoch, step)
         inputs, targets = utils.batch_to_device(
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
+        # a loss not weighted by this rank's part (loss.backward()), wrong where the parts differ:
+        # one line
+        if run.weighted is not run.samples:
+            raise utils.UsageError(
+                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+            )
         if run.ema is not None:  # --ema: the average of each rank's own shards moves toward them
             run.ema.update()
         # its loss and accuracy added up, and the other numbers it returned

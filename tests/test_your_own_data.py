@@ -630,16 +630,16 @@ def code_lines(path: Path) -> int:
 # rendezvous, DDP's flags and the validation record in utils/ once. None may grow without a reason
 # written here.
 SCRIPT_LINES = {
-    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4 + 6 + 15,
+    "dataparallel.py": 217 + 10 + 24 + 18 + 7 + 3 + 4 + 6 + 15 + 4,
     # and the three scripts that had registered batches.CountWeights: PyTorch's bf16_compress_hook
     # for --comm-hook, its import (1; utils/ 43 fewer)
-    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7 + 6 + 15,
-    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6 + 15,
-    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6 + 15,
+    "distributed.py": 238 + 1 + 21 + 24 + 18 + 7 + 3 + 7 + 6 + 15 + 4,
+    "distributed_mp.py": 290 + 1 + 17 + 24 + 16 + 6 + 3 + 7 + 6 + 15 + 4,
+    "distributed_amp.py": 258 + 1 + 26 + 24 + 18 + 7 + 3 + 7 + 6 + 15 + 4,
     # issue 92, item 3: train_step_over_whole_batch, the GradCache step, and its call (32)
-    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77 + 15 + 2,
-    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4 + 5,
-    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1 + 15,
+    "distributed_grad_accum.py": 268 + 32 + 20 + 29 + 50 + 18 + 7 + 3 + 5 + 6 - 77 + 15 + 2 + 4,
+    "distributed_fsdp.py": 410 + 21 + 24 + 13 + 3 + 1 - 4 + 5 + 2,
+    "distributed_diloco.py": 297 + 20 + 24 + 12 + 18 + 7 + 3 + 4 + 6 + 1 + 15 + 4,
 }
 # The issue on the minimal copy added to each: eval_step beside train_step (4, AMP's autocast 6);
 # the blocks that import an extra where it is used (Slurm's and torchrun's elastic store at the
@@ -675,6 +675,9 @@ SCRIPT_LINES = {
 # moved to the device in the script, the output directory's check inline); FSDP's 5, its memory check
 # (check_state_fits, 12) now extras/checks.py's, in a fourth block, and its gloo check the core's. Accumulation's
 # loss over the whole batch, which the start-up step finds, one line at the first step under --no-checks (2).
+# A step whose loss run.backward() did not weight (loss.backward(), wrong where the ranks' parts differ) one line
+# at its first step (4 in every script: the field run.backward() sets, and the check after train_step; FSDP's 2, its
+# step's samples named in one statement and its steps' generator in the for's header).
 
 
 def statements(path: Path) -> int:
@@ -725,7 +728,9 @@ EXTRAS_AT_THE_TOP = {
 # of FSDP's average, not a start-up check: on under --no-checks), all out of extras/checks.py, in 7 fewer elsewhere;
 # extras/checks.py 6 fewer (those two out, the output directory's check inline in the scripts, the stream's for a
 # user's sampler extras/samplers.py's, 3; FSDP's memory check, 12, and the frozen models in it, 3, in): 8 in all.
-COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73 + 8
+# A step whose loss run.backward() did not weight one line at its first step: distributed.py 4, and GradCache's step
+# (extras/gradcache.py), which weights its loss itself, marks it so (1).
+COPY_STATEMENTS = 2982 + 116 + 54 + 27 + 5 - 1 - 5 + 13 + 7 + 3 + 73 + 8 + 5
 
 
 # `diff distributed.py X.py`, its lines marked < or >: a short lesson about X. The issue on the minimal copy bounds

@@ -592,6 +592,21 @@ def build_sampler(args, train_set):
     return torch.utils.data.RandomSampler(range(640))
 """
 )
+# a step of one's own that calls loss.backward(), not run.backward(loss): right only where the ranks' parts are equal
+A_STEP_WITH_ITS_OWN_BACKWARD = (
+    YOUR_CLASSIFICATION
+    + """
+
+def train_step(run, inputs, targets):
+    outputs = run.model(inputs)
+    loss = compute_loss(outputs, targets)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.optimizer.step()
+    run.scheduler.step()
+    return dict(loss=loss, outputs=outputs)
+"""
+)
 ONE_LINE_CASES = {
     "its own generator": (
         YOUR_CLASSIFICATION + ITS_OWN_GENERATOR,
@@ -606,6 +621,11 @@ ONE_LINE_CASES = {
         "error: build_sampler returned a RandomSampler, but the training set is a stream (an IterableDataset), which"
         " has no indices to sample: return None, or a map-style Dataset",
     ),
+    "its own backward": (
+        A_STEP_WITH_ITS_OWN_BACKWARD,
+        [],
+        "error: train_step must weight its loss with run.backward(loss), not loss.backward()",
+    ),
     "an unknown name": (
         YOUR_METRICS,
         ["--keep-best", "val_f1_ema"],
@@ -618,7 +638,8 @@ ONE_LINE_CASES = {
 @pytest.mark.parametrize("case", ONE_LINE_CASES)
 def test_what_cannot_be_kept_exact_ends_every_rank_with_one_line(case, tmp_path):
     """A sampler with a random state of its own, a sampler for a stream, a --keep-best name that no validation
-    records (an _ema one without --ema): one line on each rank before training, no traceback."""
+    records (an _ema one without --ema): one line on each rank before training, no traceback; a train_step that
+    calls loss.backward() (a gradient wrong where the ranks' parts differ): one line at its first step."""
     yours, flags, line = ONE_LINE_CASES[case]
     copy = copy_with_your_functions("distributed.py", tmp_path / "copy", yours)
     result = run(
