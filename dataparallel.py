@@ -261,12 +261,12 @@ class Training:
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
     weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
-    def backward(self, loss) -> None:
+    def backward(self, loss, **kwargs) -> None:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
-        the ranks' parts differ in size."""
+        the ranks' parts differ in size. Keyword arguments go to .backward() (retain_graph=True)."""
         self.weighted = self.samples
-        utils.loss_for_backward(loss, *self.samples).backward()
+        utils.loss_for_backward(loss, *self.samples).backward(**kwargs)
 
 
 def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
@@ -298,11 +298,12 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
             batch, run.device, loader.dataset, args.channels_last, key=(epoch, step)
         )
         result = train_step(run, inputs, targets)
-        # a loss not weighted by this rank's part (loss.backward()), wrong where the parts differ:
-        # one line
+        # a loss not weighted by run.backward() (loss.backward(): right in one process, wrong in the
+        # DDP scripts where the parts differ): one line, so that the step moves to them as it is
         if run.weighted is not run.samples:
             raise utils.UsageError(
-                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+                "train_step did not call run.backward(): a plain loss.backward() is wrong where the"
+                " ranks' parts of a batch differ"
             )
         if run.ema is not None:  # --ema: the average moves toward the new weights
             run.ema.update()

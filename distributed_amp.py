@@ -354,12 +354,12 @@ class Training:
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
     weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
-    def backward(self, loss) -> None:
+    def backward(self, loss, **kwargs) -> None:
         """loss.backward(), compute_loss's mean weighted by this rank's part of the step's samples,
         its (sum, count) by all ranks' count: the gradient of the whole batch's mean, also where
-        the ranks' parts differ in size."""
+        the ranks' parts differ in size. Keyword arguments go to .backward() (retain_graph=True)."""
         self.weighted = self.samples
-        self.scaler.scale(utils.loss_for_backward(loss, *self.samples)).backward()
+        self.scaler.scale(utils.loss_for_backward(loss, *self.samples)).backward(**kwargs)
 
 
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
@@ -405,7 +405,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         # one line
         if run.weighted is not run.samples:
             raise utils.UsageError(
-                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+                "train_step did not call run.backward(): a plain loss.backward() is wrong where the"
+                " ranks' parts of a batch differ"
             )
         if run.ema is not None:  # --ema: the average moves toward the new weights
             run.ema.update()

@@ -370,17 +370,17 @@ class Training:
     samples: tuple[int, int] = (0, 0)  # the step's: this rank's, all ranks'
     weighted: tuple[int, int] | None = None  # the samples run.backward() last weighted by
 
-    def backward(self, loss, samples: int) -> torch.Tensor | int:
+    def backward(self, loss, samples: int, **kwargs) -> torch.Tensor | int:
         """loss.backward() of a micro-batch: compute_loss's mean weighted by the micro-batch's part
         of the step's samples (x world size: DDP averages the ranks'), so that the gradients add up
         to the whole batch's mean, even parts or not; a (sum, count): its sum so, and its count
-        returned, to divide by once the step's is known."""
+        returned, to divide by once the step's is known. Keyword arguments go to .backward()."""
         self.weighted = self.samples
         weight = dist.get_world_size() / self.samples[1]
         if isinstance(loss, torch.Tensor):
-            (loss * (samples * weight)).backward()
+            (loss * (samples * weight)).backward(**kwargs)
             return 0
-        (loss[0] * weight).backward()
+        (loss[0] * weight).backward(**kwargs)
         return loss[1]
 
 
@@ -421,7 +421,8 @@ def train_one_epoch(run: Training, epoch: int, steps_done: int) -> dict:
         # one line
         if run.weighted is not run.samples:
             raise utils.UsageError(
-                "train_step must weight its loss with run.backward(loss), not loss.backward()"
+                "train_step did not call run.backward(): a plain loss.backward() is wrong where the"
+                " ranks' parts of a batch differ"
             )
         # one the start-up step did not see (--no-checks) would be over each micro-batch: one line
         if batches.WholeBatch.calls and not run.whole_batch:

@@ -624,7 +624,8 @@ ONE_LINE_CASES = {
     "its own backward": (
         A_STEP_WITH_ITS_OWN_BACKWARD,
         [],
-        "error: train_step must weight its loss with run.backward(loss), not loss.backward()",
+        "error: train_step did not call run.backward(): a plain loss.backward() is wrong where the ranks' parts of a"
+        " batch differ",
     ),
     "an unknown name": (
         YOUR_METRICS,
